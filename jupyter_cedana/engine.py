@@ -1,0 +1,351 @@
+"""Checkpoint engine: CRIU for the process tree, on top of the checkpoint store.
+
+One configurable instance per process (like jupyter_client's port cache), so the server
+extension and every kernel provisioner agree on the binary, the options and the root.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import shutil
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from jupyter_core.paths import jupyter_data_dir
+from traitlets import Bool, Float, Integer, List, Unicode, default
+from traitlets.config import SingletonConfigurable
+
+from .checkpoint import CheckpointStore
+from .errors import EngineUnavailable, ResumeFailed, SuspendFailed
+
+MIN_CRIU = (4, 2)
+_PACKAGE_BIN = Path(__file__).parent / "bin"
+
+ProgressCallback = Callable[[str, int | None, int | None], None]
+
+
+@dataclass
+class EngineInfo:
+    available: bool
+    reason: str | None
+    criu_path: str | None
+    criu_version: str | None
+    pidns: bool
+
+
+def tree_rss(pid: int) -> int:
+    """Resident bytes of a process and its descendants: what a dump will roughly write."""
+    from .proctree import process_tree
+
+    total = 0
+    for p in process_tree(pid):
+        try:
+            with open(f"/proc/{p}/smaps_rollup") as f:
+                for line in f:
+                    if line.startswith("Rss:"):
+                        total += int(line.split()[1]) * 1024
+                        break
+        except OSError:
+            pass
+    return total
+
+
+def dir_bytes(path: Path) -> int:
+    total = 0
+    try:
+        with os.scandir(path) as it:
+            for entry in it:
+                try:
+                    total += entry.stat(follow_symlinks=False).st_size
+                except OSError:
+                    pass
+    except OSError:
+        pass
+    return total
+
+
+def criu_errors(log: Path, limit: int = 3) -> str:
+    """The lines of a CRIU log that say why it failed."""
+    try:
+        lines = log.read_text(errors="replace").splitlines()
+    except OSError:
+        return "no CRIU log"
+    errors = [ln.split(": ", 1)[-1].strip() for ln in lines if "Error (" in ln]
+    # CRIU logs a harmless rlimit complaint when it is not allowed to raise its own limit.
+    errors = [e for e in errors if "RLIMIT_NOFILE for self" not in e]
+    return "; ".join(errors[-limit:]) or (lines[-1] if lines else "no output")
+
+
+class CheckpointEngine(SingletonConfigurable):
+    """CRIU dump/restore of kernel process trees into the checkpoint store."""
+
+    checkpoint_root = Unicode(
+        help="Directory holding kernel checkpoint images (created 0700). It should be on a "
+        "disk, not tmpfs: an image is as large as the kernel's memory."
+    ).tag(config=True)
+
+    @default("checkpoint_root")
+    def _default_root(self) -> str:
+        return os.path.join(jupyter_data_dir(), "cedana", "checkpoints")
+
+    criu_path = Unicode(
+        "",
+        help="Path of the criu binary (4.2 or newer). Empty: the first of "
+        "/usr/local/sbin/criu, /usr/sbin/criu and criu on PATH that is new enough.",
+    ).tag(config=True)
+
+    init_path = Unicode(
+        "",
+        help="Path of cedana-init, the PID-1 the kernel runs under. Empty: the copy shipped "
+        "in the package.",
+    ).tag(config=True)
+
+    use_pid_namespace = Bool(
+        True,
+        help="Run each kernel in its own PID namespace when privileged (root), so that a "
+        "restore never meets its old PID numbers taken by other processes.",
+    ).tag(config=True)
+
+    keep_image_after_resume = Bool(
+        False,
+        help="Keep a kernel's checkpoint image on disk after a successful resume (it is "
+        "replaced by the next suspend).",
+    ).tag(config=True)
+
+    ghost_limit = Integer(
+        64 << 20,
+        help="Largest deleted-but-open file CRIU copies into an image, in bytes.",
+    ).tag(config=True)
+
+    dump_timeout = Float(
+        600.0, help="Seconds after which a CRIU dump is abandoned (the kernel keeps running)."
+    ).tag(config=True)
+
+    restore_timeout = Float(
+        600.0, help="Seconds after which a CRIU restore is abandoned (the image is kept)."
+    ).tag(config=True)
+
+    extra_dump_args = List(
+        Unicode(), help="Extra arguments for 'criu dump', e.g. ['--ext-unix-sk']."
+    ).tag(config=True)
+
+    extra_restore_args = List(Unicode(), help="Extra arguments for 'criu restore'.").tag(
+        config=True
+    )
+
+    _info: EngineInfo | None = None
+    _store: CheckpointStore | None = None
+
+    @property
+    def store(self) -> CheckpointStore:
+        if self._store is None or str(self._store.root) != str(
+            Path(self.checkpoint_root).expanduser().resolve()
+        ):
+            self._store = CheckpointStore(self.checkpoint_root)
+        return self._store
+
+    def init_binary(self) -> str:
+        path = self.init_path or str(_PACKAGE_BIN / "cedana-init")
+        if not os.access(path, os.X_OK):
+            raise EngineUnavailable(
+                f"cedana-init not found at {path}: reinstall jupyter-cedana (it builds native/)"
+            )
+        return path
+
+    @property
+    def pidns(self) -> bool:
+        return self.use_pid_namespace and os.geteuid() == 0
+
+    def probe(self, refresh: bool = False) -> EngineInfo:
+        """Find a usable CRIU and say why not; cached, since it runs a subprocess."""
+        if self._info is not None and not refresh:
+            return self._info
+        candidates = (
+            [self.criu_path]
+            if self.criu_path
+            else ["/usr/local/sbin/criu", "/usr/sbin/criu", shutil.which("criu") or ""]
+        )
+        reason = "criu not found (install CRIU 4.2 or newer: scripts/install-criu.sh)"
+        info = EngineInfo(False, reason, None, None, self.pidns)
+        for cand in filter(None, candidates):
+            if not os.access(cand, os.X_OK):
+                continue
+            try:
+                out = subprocess.run(
+                    [cand, "--version"], capture_output=True, text=True, timeout=10
+                ).stdout
+            except (OSError, subprocess.SubprocessError) as e:
+                info.reason = f"{cand} --version failed: {e}"
+                continue
+            m = re.search(r"Version:\s*(\d+)\.(\d+)(?:\.(\d+))?", out)
+            if not m:
+                info.reason = f"cannot read the version of {cand}"
+                continue
+            version = ".".join(g for g in m.groups() if g is not None)
+            if (int(m.group(1)), int(m.group(2))) < MIN_CRIU:
+                info.reason = (
+                    f"{cand} is CRIU {version}; 4.2 or newer is needed on this kernel "
+                    "(older versions fail to dump kernels with TCP sockets)"
+                )
+                continue
+            info = EngineInfo(True, None, cand, version, self.pidns)
+            break
+        if info.available and os.geteuid() != 0:
+            caps = _file_caps(info.criu_path or "")
+            if "cap_checkpoint_restore" not in caps and "cap_sys_admin" not in caps:
+                info.available = False
+                info.reason = (
+                    f"not running as root and {info.criu_path} has no "
+                    "cap_checkpoint_restore capability (see docs/deployment.md)"
+                )
+        self._info = info
+        return info
+
+    def require(self) -> EngineInfo:
+        info = self.probe()
+        if not info.available:
+            raise EngineUnavailable(f"Checkpointing is unavailable: {info.reason}")
+        return info
+
+    def _base_args(self, info: EngineInfo) -> list[str]:
+        args = [info.criu_path or "criu"]
+        if os.geteuid() != 0:
+            args.append("--unprivileged")
+        return args
+
+    async def dump(
+        self, pid: int, images: Path, progress: ProgressCallback | None = None
+    ) -> float:
+        """Dump the tree rooted at `pid` into `images`, leaving it stopped (not killed).
+
+        The caller kills the tree once the image is committed, or continues it (SIGCONT)
+        if anything after the dump fails: the kernel then runs on exactly as before.
+        """
+        info = self.require()
+        expected = tree_rss(pid)
+        cmd = [
+            *self._base_args(info),
+            "dump",
+            "-t",
+            str(pid),
+            "-D",
+            str(images),
+            "-o",
+            "dump.log",
+            "-v4",
+            "--tcp-close",
+            "--leave-stopped",
+            "--ghost-limit",
+            str(self.ghost_limit),
+            "--file-locks",
+            *self.extra_dump_args,
+        ]
+        self.log.debug("running %s", " ".join(cmd))
+        t0 = time.monotonic()
+        proc = await asyncio.create_subprocess_exec(
+            *cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+        )
+        wait = asyncio.ensure_future(proc.wait())
+        try:
+            while True:
+                done, _ = await asyncio.wait({wait}, timeout=0.2)
+                if done:
+                    break
+                if progress:
+                    progress("dump", dir_bytes(images), expected or None)
+                if time.monotonic() - t0 > self.dump_timeout:
+                    proc.kill()
+                    await wait
+                    raise SuspendFailed(f"CRIU dump took longer than {self.dump_timeout:.0f} s")
+        except asyncio.CancelledError:
+            proc.kill()
+            raise
+        stderr = (await proc.stderr.read()).decode(errors="replace") if proc.stderr else ""
+        if proc.returncode != 0:
+            why = criu_errors(images / "dump.log")
+            raise SuspendFailed(
+                f"CRIU dump failed (exit {proc.returncode}): {why or stderr.strip()}"
+            )
+        return time.monotonic() - t0
+
+    def start_restore(self, images: Path, pidfile: Path) -> subprocess.Popen[bytes]:
+        """Start `criu restore` in the foreground: it stays as the restored tree's parent
+        (reaping it, so the kernel never lingers as a zombie) and exits when the tree does."""
+        info = self.require()
+        cmd = [
+            *self._base_args(info),
+            "restore",
+            "-D",
+            str(images),
+            "-o",
+            "restore.log",
+            "-v4",
+            "--tcp-close",
+            "--file-locks",
+            "--pidfile",
+            str(pidfile),
+            *self.extra_restore_args,
+        ]
+        self.log.debug("running %s", " ".join(cmd))
+        return subprocess.Popen(
+            cmd,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+
+    async def wait_restored(
+        self,
+        proc: subprocess.Popen[bytes],
+        images: Path,
+        pidfile: Path,
+        expected: int,
+        progress: ProgressCallback | None = None,
+    ) -> int:
+        """Wait until CRIU reports the restored root's PID; raise with CRIU's reason if not."""
+        t0 = time.monotonic()
+        while True:
+            try:
+                text = pidfile.read_text().strip()
+                if text:
+                    return int(text)
+            except (FileNotFoundError, ValueError):
+                pass
+            rc = proc.poll()
+            if rc is not None:
+                # Let CRIU's own message explain; the image is left untouched.
+                raise ResumeFailed(
+                    f"CRIU restore failed (exit {rc}): {criu_errors(images / 'restore.log')}"
+                )
+            if time.monotonic() - t0 > self.restore_timeout:
+                proc.kill()
+                proc.wait()
+                raise ResumeFailed(f"CRIU restore took longer than {self.restore_timeout:.0f} s")
+            if progress:
+                progress("restore", _children_rss(proc.pid), expected or None)
+            await asyncio.sleep(0.02)
+
+
+def _children_rss(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            kids = [int(x) for x in f.read().split()]
+    except OSError:
+        return 0
+    return sum(tree_rss(k) for k in kids)
+
+
+def _file_caps(path: str) -> str:
+    getcap = shutil.which("getcap")
+    if not getcap or not path:
+        return ""
+    try:
+        return subprocess.run([getcap, path], capture_output=True, text=True, timeout=5).stdout
+    except (OSError, subprocess.SubprocessError):
+        return ""

@@ -1,0 +1,553 @@
+"""Kernel provisioner that launches kernels so they can be checkpointed, and suspends and
+resumes them.
+
+While a kernel is suspended it has no process, yet `poll()` says it is alive: the kernel
+restarter would otherwise start a fresh kernel over the user's work.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import os
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from jupyter_client.connect import KernelConnectionInfo
+from jupyter_client.launcher import launch_kernel
+from jupyter_client.provisioning import LocalProvisioner
+
+from .engine import CheckpointEngine, tree_rss
+from .errors import CheckpointCorrupt, Conflict, ResumeFailed, SuspendFailed
+from .proctree import process_tree
+
+PORT_NAMES = ("shell_port", "iopub_port", "stdin_port", "hb_port", "control_port")
+
+
+class KernelState(str, enum.Enum):
+    running = "running"
+    suspending = "suspending"
+    suspended = "suspended"
+    resuming = "resuming"
+    failed = "failed"
+
+
+@dataclass
+class Progress:
+    phase: str
+    fraction: float
+    bytes_done: int | None = None
+    bytes_total: int | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+Listener = Callable[["CedanaProvisioner", str], None]
+
+
+class CedanaProvisioner(LocalProvisioner):  # type: ignore[misc]
+    """A LocalProvisioner whose kernels can be suspended to disk and resumed."""
+
+    state: KernelState = KernelState.running
+    tier: str | None = None
+    reason: str | None = None
+    progress: Progress | None = None
+    suspended_at: float | None = None
+    last_suspend_seconds: float | None = None
+    last_resume_seconds: float | None = None
+    checkpoint_bytes: int = 0
+    gpu_memory_freed: int = 0
+
+    def __init__(self, **kwargs: Any):
+        super().__init__(**kwargs)
+        self._lock = asyncio.Lock()
+        self._inflight: tuple[str, asyncio.Future[Any]] | None = None
+        self._reserved: list[socket.socket] = []
+        self._listeners: list[Listener] = []
+        self._gpu_state: dict[str, Any] | None = None
+
+    # -- plumbing -------------------------------------------------------------------------
+
+    @property
+    def engine(self) -> CheckpointEngine:
+        return CheckpointEngine.instance(parent=self.parent)
+
+    @property
+    def kernel_id_str(self) -> str:
+        return str(self.kernel_id)
+
+    def add_listener(self, listener: Listener) -> None:
+        """Called with (provisioner, what) on every state or progress change."""
+        self._listeners.append(listener)
+
+    def _notify(self, what: str) -> None:
+        for listener in list(self._listeners):
+            try:
+                listener(self, what)
+            except Exception:  # a broken observer must not break a suspend
+                self.log.exception("cedana listener failed")
+
+    def _set_state(self, state: KernelState, reason: str | None = None) -> None:
+        self.state = state
+        self.reason = reason
+        if state in (KernelState.running, KernelState.suspended, KernelState.failed):
+            self.progress = None
+        self._notify("state")
+
+    def _set_progress(self, phase: str, done: int | None, total: int | None) -> None:
+        fraction = min(1.0, done / total) if done is not None and total else 0.0
+        self.progress = Progress(phase, fraction, done, total)
+        self._notify("progress")
+
+    @property
+    def holds_image(self) -> bool:
+        return self.state in (KernelState.suspended, KernelState.resuming) or (
+            self.state == KernelState.failed and self.engine.store.exists(self.kernel_id_str)
+        )
+
+    # -- launch ---------------------------------------------------------------------------
+
+    async def launch_kernel(self, cmd: list[str], **kwargs: Any) -> KernelConnectionInfo:
+        engine = self.engine
+        store = engine.store
+        store.ensure_root()
+        pidfile = store.root / f".{self.kernel_id_str}.pid"
+        pidfile.unlink(missing_ok=True)
+        wrapped = [engine.init_binary()]
+        if engine.pidns:
+            wrapped.append("--pidns")
+        wrapped += ["--pidfile", str(pidfile), "--", *cmd]
+
+        kw = LocalProvisioner._scrub_kwargs(kwargs)
+        env = dict(kw.pop("env", None) or os.environ)
+        # ipykernel polls this PID and exits when it changes, which it does after a restore.
+        env.pop("JPY_PARENT_PID", None)
+        # A file only this kernel writes: a shared log that grows after a dump would make
+        # CRIU refuse the restore ("has bad size").
+        log_fd = os.open(
+            store.log_path(self.kernel_id_str), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600
+        )
+        try:
+            kw.update(stdin=subprocess.DEVNULL, stdout=log_fd, stderr=log_fd, env=env)
+            kw["independent"] = True
+            self.process = launch_kernel(wrapped, **kw)
+        finally:
+            os.close(log_fd)
+        self.pid = await self._read_pidfile(pidfile, self.process)
+        self.pgid = None  # signals go to cedana-init, which forwards them to the kernel's group
+        self.cwd = kwargs.get("cwd", Path.cwd())
+        self.state = KernelState.running
+        self.reason = None
+        return self.connection_info
+
+    @staticmethod
+    async def _read_pidfile(pidfile: Path, proc: subprocess.Popen[bytes]) -> int:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                text = pidfile.read_text().strip()
+                if text:
+                    pidfile.unlink(missing_ok=True)
+                    return int(text)
+            except (FileNotFoundError, ValueError):
+                pass
+            if proc.poll() is not None:
+                raise RuntimeError(f"cedana-init exited with {proc.returncode} before starting")
+            await asyncio.sleep(0.01)
+        raise RuntimeError("cedana-init did not report the kernel's PID in 30 s")
+
+    # -- Popen-like interface -------------------------------------------------------------
+
+    @property
+    def has_process(self) -> bool:
+        return self.process is not None or self.holds_image
+
+    async def poll(self) -> int | None:
+        if self.state != KernelState.running or self.holds_image:
+            return None
+        if self.process is not None:
+            return self.process.poll()
+        return 0
+
+    async def wait(self) -> int | None:
+        while await self.poll() is None:
+            await asyncio.sleep(0.1)
+        ret = 0
+        if self.process is not None:
+            ret = self.process.wait()
+            self.process = None
+        return ret
+
+    async def send_signal(self, signum: int) -> None:
+        if self.state != KernelState.running:
+            raise Conflict(
+                f"Kernel {self.kernel_id} is {self.state.value}: it cannot receive signal "
+                f"{signal.Signals(signum).name} until it is resumed"
+            )
+        if not self.pid:
+            return
+        if signum == signal.SIGKILL and not self.engine.pidns:
+            # Without a PID namespace, killing the init would orphan the kernel.
+            for pid in sorted(process_tree(self.pid), reverse=True):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signum)
+            return
+        os.kill(self.pid, signum)
+
+    async def kill(self, restart: bool = False) -> None:
+        if self._discard_if_suspended():
+            return
+        await self._signal_quietly(signal.SIGKILL)
+
+    async def terminate(self, restart: bool = False) -> None:
+        if self._discard_if_suspended():
+            return
+        await self._signal_quietly(signal.SIGTERM)
+
+    async def _signal_quietly(self, signum: int) -> None:
+        with contextlib.suppress(ProcessLookupError, Conflict):
+            await self.send_signal(signum)
+
+    async def shutdown_requested(self, restart: bool = False) -> None:
+        # A suspended kernel cannot answer the shutdown request: finish it here, so that
+        # shutdown does not wait out the grace period.
+        self._discard_if_suspended()
+        await super().shutdown_requested(restart=restart)
+
+    def _discard_if_suspended(self) -> bool:
+        if self.state == KernelState.running or self._inflight is not None:
+            return False
+        self.log.info("Discarding the checkpoint of kernel %s", self.kernel_id)
+        self.engine.store.remove(self.kernel_id_str)
+        self._release_ports()
+        self.process = None
+        self.tier = None
+        self.checkpoint_bytes = 0
+        self._set_state(KernelState.running)
+        return True
+
+    async def cleanup(self, restart: bool = False) -> None:
+        self._release_ports()
+        if not restart:
+            store = self.engine.store
+            with contextlib.suppress(Exception):
+                store.remove(self.kernel_id_str)
+        await super().cleanup(restart=restart)
+
+    async def get_provisioner_info(self) -> dict[str, Any]:
+        info: dict[str, Any] = await super().get_provisioner_info()
+        info.update(
+            cedana_state=self.state.value,
+            cedana_tier=self.tier,
+            cedana_reason=self.reason,
+            cedana_suspended_at=self.suspended_at,
+            cedana_checkpoint_bytes=self.checkpoint_bytes,
+        )
+        return info
+
+    async def load_provisioner_info(self, provisioner_info: dict[str, Any]) -> None:
+        await super().load_provisioner_info(provisioner_info)
+        self.state = KernelState(provisioner_info.get("cedana_state", "running"))
+        self.tier = provisioner_info.get("cedana_tier")
+        self.reason = provisioner_info.get("cedana_reason")
+        self.suspended_at = provisioner_info.get("cedana_suspended_at")
+        self.checkpoint_bytes = provisioner_info.get("cedana_checkpoint_bytes", 0)
+        if self.state == KernelState.suspended:
+            self._reserve_ports()
+
+    # -- ports ----------------------------------------------------------------------------
+
+    def _ports(self) -> list[int]:
+        info = getattr(self, "connection_info", None) or {}
+        return [int(info[n]) for n in PORT_NAMES if info.get(n)]
+
+    def _reserve_ports(self) -> None:
+        """Hold the kernel's ports while it has no process, so no other program takes them
+        and the restore can bind them again."""
+        ip = (getattr(self, "connection_info", None) or {}).get("ip", "127.0.0.1")
+        for port in self._ports():
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind((ip, port))
+                # Listening (not just bound) is what makes Linux refuse other binds, even
+                # SO_REUSEADDR ones; queued client connections are reset when it closes.
+                s.listen(1)
+            except OSError as e:
+                s.close()
+                self.log.warning("Could not reserve port %s of kernel %s: %s", port, self.kernel_id, e)
+                continue
+            self._reserved.append(s)
+
+    def _release_ports(self) -> None:
+        for s in self._reserved:
+            s.close()
+        self._reserved = []
+
+    # -- suspend / resume -----------------------------------------------------------------
+
+    async def _once(self, kind: str, work: Callable[[], Awaitable[Any]]) -> Any:
+        """Run a transition under the kernel's lock; a concurrent request for the same
+        transition waits for the running one and gets its result."""
+        if self._inflight is not None and self._inflight[0] == kind:
+            return await asyncio.shield(self._inflight[1])
+        async with self._lock:
+            fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+            self._inflight = (kind, fut)
+            try:
+                result = await work()
+            except BaseException as e:
+                fut.set_exception(e)
+                # Nobody else may be waiting: retrieve the exception so asyncio stays quiet.
+                fut.exception()
+                raise
+            else:
+                fut.set_result(result)
+                return result
+            finally:
+                self._inflight = None
+
+    async def suspend(self, tier: str = "disk") -> dict[str, Any]:
+        """Checkpoint the kernel (process tree and GPU memory) and free its resources."""
+        if tier not in ("disk", "offload"):
+            raise ValueError(f"unknown tier {tier!r}")
+        return await self._once(f"suspend-{tier}", lambda: self._suspend(tier))
+
+    async def resume(self) -> dict[str, Any]:
+        """Restore a suspended kernel; on failure the image is kept and a retry may work."""
+        return await self._once("resume", self._resume)
+
+    async def _suspend(self, tier: str) -> dict[str, Any]:
+        if self.state == KernelState.suspended and (self.tier == tier or tier == "offload"):
+            raise Conflict(f"Kernel {self.kernel_id} is already suspended ({self.tier})")
+        if self.state == KernelState.failed:
+            raise Conflict(
+                f"Kernel {self.kernel_id} failed to resume ({self.reason}); resume it first"
+            )
+        if self.state == KernelState.running and (not self.pid or await self.poll() is not None):
+            raise Conflict(f"Kernel {self.kernel_id} is not running")
+        if tier == "offload":
+            return await self._offload()
+        previous = self.state
+        if previous == KernelState.suspended:  # offloaded → disk
+            return await self._dump(from_offload=True)
+        self._set_state(KernelState.suspending)
+        try:
+            return await self._dump(from_offload=False)
+        except BaseException:
+            if self.state == KernelState.suspending:
+                self._set_state(previous)
+            raise
+
+    async def _offload(self) -> dict[str, Any]:
+        gpu = self._gpu()
+        if gpu is None:
+            raise Conflict("GPU offload is unavailable: no CUDA checkpoint support")
+        self._set_state(KernelState.suspending)
+        t0 = time.monotonic()
+        try:
+            self._gpu_state = await gpu.offload(
+                process_tree(self.pid), progress=self._gpu_progress
+            )
+        except BaseException as e:
+            self._set_state(KernelState.running, reason=str(e))
+            raise
+        self.tier = "offload"
+        self.suspended_at = time.time()
+        self.last_suspend_seconds = time.monotonic() - t0
+        self.gpu_memory_freed = int((self._gpu_state or {}).get("bytes_freed", 0))
+        self.checkpoint_bytes = 0
+        self._set_state(KernelState.suspended)
+        return self.summary()
+
+    def _gpu(self) -> Any:
+        """The CUDA checkpointer when GPU checkpointing is possible here, else None."""
+        getter = getattr(self.engine, "cuda", None)
+        return getter() if callable(getter) else None
+
+    def _gpu_progress(self, phase: str, done: int | None, total: int | None) -> None:
+        self._set_progress(phase, done, total)
+
+    async def _dump(self, from_offload: bool) -> dict[str, Any]:
+        engine = self.engine
+        engine.require()
+        store = engine.store
+        kid = self.kernel_id_str
+        t0 = time.monotonic()
+        pids = process_tree(self.pid)
+        gpu_state = self._gpu_state if from_offload else None
+        gpu = self._gpu()
+        if not from_offload and gpu is not None:
+            gpu_state = await gpu.offload(pids, progress=self._gpu_progress) or None
+        tmp = store.begin(kid)
+        stopped = False
+        try:
+            dump_s = await engine.dump(self.pid, tmp, progress=self._set_progress)
+            stopped = True
+            self._set_progress("verify", None, None)
+            manifest = await asyncio.to_thread(
+                store.commit,
+                kid,
+                tmp,
+                {
+                    "kernel_name": self._spec_name(),
+                    "criu_version": engine.probe().criu_version,
+                    "pidns": engine.pidns,
+                    "ports": self._ports(),
+                    "gpu": gpu_state,
+                    "timings": {"dump_s": dump_s},
+                },
+            )
+        except BaseException as e:
+            store.discard(tmp)
+            if stopped:
+                self._continue(pids)
+            if gpu_state is not None and gpu is not None and not from_offload:
+                with contextlib.suppress(Exception):
+                    await gpu.restore(gpu_state, None)
+                gpu_state = None
+            if isinstance(e, SuspendFailed | asyncio.CancelledError):
+                raise
+            raise SuspendFailed(f"Suspend of kernel {kid} failed: {e}") from e
+        # The image is safe on disk: only now does the kernel's memory go.
+        self._kill_stopped(pids)
+        if self.process is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.to_thread(self.process.wait, 10)
+            self.process = None
+        self._reserve_ports()
+        self._gpu_state = gpu_state
+        self.tier = "disk"
+        self.suspended_at = time.time()
+        self.last_suspend_seconds = time.monotonic() - t0
+        self.checkpoint_bytes = int(manifest["total_bytes"])
+        self.gpu_memory_freed = int((gpu_state or {}).get("bytes_freed", 0))
+        self._set_state(KernelState.suspended)
+        self.log.info(
+            "Suspended kernel %s: %.1f MB in %.2f s",
+            kid,
+            self.checkpoint_bytes / 1e6,
+            self.last_suspend_seconds,
+        )
+        return self.summary()
+
+    def _spec_name(self) -> str | None:
+        return getattr(self.parent, "kernel_name", None)
+
+    @staticmethod
+    def _continue(pids: set[int]) -> None:
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+
+    def _kill_stopped(self, pids: set[int]) -> None:
+        targets = [self.pid] if self.engine.pidns and self.pid else sorted(pids, reverse=True)
+        for pid in targets:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+    async def _resume(self) -> dict[str, Any]:
+        if self.state == KernelState.running:
+            raise Conflict(f"Kernel {self.kernel_id} is running, not suspended")
+        if self.tier == "offload" and self.state == KernelState.suspended:
+            return await self._resume_offload()
+        engine = self.engine
+        engine.require()
+        store = engine.store
+        kid = self.kernel_id_str
+        previous = self.state
+        self._set_state(KernelState.resuming)
+        t0 = time.monotonic()
+        try:
+            self._set_progress("verify", 0, self.checkpoint_bytes or None)
+            manifest = await asyncio.to_thread(store.verify, kid)
+            images = store.path(kid)
+            pidfile = images / "restored.pid"
+            pidfile.unlink(missing_ok=True)
+            self._release_ports()
+            proc = engine.start_restore(images, pidfile)
+            try:
+                pid = await engine.wait_restored(
+                    proc, images, pidfile, int(manifest["total_bytes"]), self._set_progress
+                )
+            except BaseException:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+                raise
+            gpu_state = manifest.get("gpu") or self._gpu_state
+            gpu = self._gpu()
+            if gpu_state and gpu is not None:
+                self._set_progress("gpu-restore", None, None)
+                try:
+                    await gpu.restore(gpu_state, process_tree(pid))
+                except BaseException:
+                    # The process is back but its GPU memory is not: it must not run on.
+                    os.kill(pid, signal.SIGKILL)
+                    await asyncio.to_thread(proc.wait)
+                    raise
+        except BaseException as e:
+            self._reserve_ports()
+            reason = e.message if isinstance(e, ResumeFailed) else str(e)
+            if isinstance(e, CheckpointCorrupt):
+                self._set_state(KernelState.failed, reason=reason)
+            elif isinstance(e, asyncio.CancelledError):
+                self._set_state(previous, reason=reason)
+            else:
+                self._set_state(KernelState.failed, reason=reason)
+            self.log.error("Resume of kernel %s failed: %s", kid, reason)
+            if isinstance(e, ResumeFailed | asyncio.CancelledError):
+                raise
+            raise ResumeFailed(f"Resume of kernel {kid} failed: {e}") from e
+        self.process = proc
+        self.pid = pid
+        self._gpu_state = None
+        self.last_resume_seconds = time.monotonic() - t0
+        if not engine.keep_image_after_resume:
+            store.remove(kid)
+            self.checkpoint_bytes = 0
+        self.tier = None
+        self.suspended_at = None
+        self._set_state(KernelState.running)
+        self.log.info("Resumed kernel %s in %.2f s (pid %s)", kid, self.last_resume_seconds, pid)
+        return self.summary()
+
+    async def _resume_offload(self) -> dict[str, Any]:
+        gpu = self._gpu()
+        self._set_state(KernelState.resuming)
+        t0 = time.monotonic()
+        try:
+            if gpu is None:
+                raise ResumeFailed("GPU checkpoint support went away")
+            await gpu.restore(self._gpu_state, process_tree(self.pid))
+        except BaseException as e:
+            self._set_state(KernelState.suspended, reason=str(e))
+            raise
+        self._gpu_state = None
+        self.tier = None
+        self.suspended_at = None
+        self.last_resume_seconds = time.monotonic() - t0
+        self._set_state(KernelState.running)
+        return self.summary()
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "state": self.state.value,
+            "tier": self.tier,
+            "checkpoint_bytes": self.checkpoint_bytes,
+            "last_suspend_seconds": self.last_suspend_seconds,
+            "last_resume_seconds": self.last_resume_seconds,
+            "gpu_memory_freed": self.gpu_memory_freed,
+            "reason": self.reason,
+        }
+
+    def memory_bytes(self) -> int:
+        return tree_rss(self.pid) if self.pid and self.state == KernelState.running else 0

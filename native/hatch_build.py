@@ -1,0 +1,27 @@
+"""Hatch build hook: compile native/ into jupyter_cedana/bin/ so wheels and editable installs ship it."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+from hatchling.builders.hooks.plugin.interface import BuildHookInterface
+
+
+class NativeBuildHook(BuildHookInterface):
+    PLUGIN_NAME = "custom"
+
+    def initialize(self, version: str, build_data: dict[str, Any]) -> None:
+        if self.target_name not in ("wheel", "editable"):
+            return
+        root = Path(self.root)
+        if shutil.which("make") is None or shutil.which("cc") is None:
+            raise RuntimeError("building jupyter-cedana needs make and a C compiler (cc)")
+        subprocess.run(
+            ["make", "-C", str(root / "native"), "install", f"DESTDIR={root / 'jupyter_cedana' / 'bin'}"],
+            check=True,
+        )
+        build_data["pure_python"] = False
+        build_data["infer_tag"] = True
