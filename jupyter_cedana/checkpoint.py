@@ -131,7 +131,9 @@ class CheckpointStore:
         except (OSError, ValueError) as e:
             raise CheckpointCorrupt(f"Checkpoint manifest of {kernel_id} is unreadable: {e}") from e
         if manifest.get("format") != FORMAT_VERSION or manifest.get("kernel_id") != kernel_id:
-            raise CheckpointCorrupt(f"Checkpoint manifest of {kernel_id} does not match this kernel")
+            raise CheckpointCorrupt(
+                f"Checkpoint manifest of {kernel_id} does not match this kernel"
+            )
         return manifest
 
     def write_manifest(self, kernel_id: str, manifest: dict[str, Any]) -> None:

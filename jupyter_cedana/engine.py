@@ -75,10 +75,16 @@ def criu_errors(log: Path, limit: int = 3) -> str:
         lines = log.read_text(errors="replace").splitlines()
     except OSError:
         return "no CRIU log"
-    errors = [ln.split(": ", 1)[-1].strip() for ln in lines if "Error (" in ln]
-    # CRIU logs a harmless rlimit complaint when it is not allowed to raise its own limit.
-    errors = [e for e in errors if "RLIMIT_NOFILE for self" not in e]
-    return "; ".join(errors[-limit:]) or (lines[-1] if lines else "no output")
+    errors = [ln[ln.index("Error (") :].strip() for ln in lines if "Error (" in ln]
+    # The first errors say why; the rest is CRIU unwinding ("exited, status=1",
+    # "Restoring FAILED"), and the rlimit line is a harmless complaint about its own limit.
+    noise = ("RLIMIT_NOFILE for self", "exited, status", "FAILED", "Unable to open fd")
+    useful = [e.split("): ", 1)[-1] for e in errors if not any(n in e for n in noise)]
+    return (
+        "; ".join(useful[:limit])
+        or "; ".join(errors[-limit:])
+        or (lines[-1] if lines else "no output")
+    )
 
 
 class CheckpointEngine(SingletonConfigurable):
@@ -128,6 +134,13 @@ class CheckpointEngine(SingletonConfigurable):
 
     restore_timeout = Float(
         600.0, help="Seconds after which a CRIU restore is abandoned (the image is kept)."
+    ).tag(config=True)
+
+    ipython_history_in_memory = Bool(
+        True,
+        help="Start IPython kernels with their history in memory instead of the shared "
+        "history.sqlite: a file another kernel writes while this one is suspended changes "
+        "size, and CRIU then refuses the restore.",
     ).tag(config=True)
 
     extra_dump_args = List(
@@ -218,9 +231,7 @@ class CheckpointEngine(SingletonConfigurable):
             args.append("--unprivileged")
         return args
 
-    async def dump(
-        self, pid: int, images: Path, progress: ProgressCallback | None = None
-    ) -> float:
+    async def dump(self, pid: int, images: Path, progress: ProgressCallback | None = None) -> float:
         """Dump the tree rooted at `pid` into `images`, leaving it stopped (not killed).
 
         The caller kills the tree once the image is committed, or continues it (SIGCONT)
@@ -268,6 +279,11 @@ class CheckpointEngine(SingletonConfigurable):
         stderr = (await proc.stderr.read()).decode(errors="replace") if proc.stderr else ""
         if proc.returncode != 0:
             why = criu_errors(images / "dump.log")
+            st = os.statvfs(images)
+            free = st.f_bavail * st.f_frsize
+            if "No space left" in why or free < (1 << 20):
+                # A full disk also swallows CRIU's own log, so say it from here.
+                why = f"no space left on the checkpoint disk ({free} bytes free); CRIU said: {why}"
             raise SuspendFailed(
                 f"CRIU dump failed (exit {proc.returncode}): {why or stderr.strip()}"
             )

@@ -124,6 +124,8 @@ class CedanaProvisioner(LocalProvisioner):  # type: ignore[misc]
         wrapped = [engine.init_binary()]
         if engine.pidns:
             wrapped.append("--pidns")
+        if engine.ipython_history_in_memory and any("ipykernel" in part for part in cmd):
+            cmd = [*cmd, "--HistoryManager.hist_file=:memory:"]
         wrapped += ["--pidfile", str(pidfile), "--", *cmd]
 
         kw = LocalProvisioner._scrub_kwargs(kwargs)
@@ -188,6 +190,8 @@ class CedanaProvisioner(LocalProvisioner):  # type: ignore[misc]
 
     async def send_signal(self, signum: int) -> None:
         if self.state != KernelState.running:
+            if getattr(self.parent, "shutting_down", False):
+                return  # shutdown interrupts first; there is nothing to interrupt
             raise Conflict(
                 f"Kernel {self.kernel_id} is {self.state.value}: it cannot receive signal "
                 f"{signal.Signals(signum).name} until it is resumed"
@@ -200,7 +204,8 @@ class CedanaProvisioner(LocalProvisioner):  # type: ignore[misc]
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signum)
             return
-        os.kill(self.pid, signum)
+        with contextlib.suppress(ProcessLookupError):  # it exited: poll() will say so
+            os.kill(self.pid, signum)
 
     async def kill(self, restart: bool = False) -> None:
         if self._discard_if_suspended():
@@ -283,7 +288,9 @@ class CedanaProvisioner(LocalProvisioner):  # type: ignore[misc]
                 s.listen(1)
             except OSError as e:
                 s.close()
-                self.log.warning("Could not reserve port %s of kernel %s: %s", port, self.kernel_id, e)
+                self.log.warning(
+                    "Could not reserve port %s of kernel %s: %s", port, self.kernel_id, e
+                )
                 continue
             self._reserved.append(s)
 
@@ -354,9 +361,7 @@ class CedanaProvisioner(LocalProvisioner):  # type: ignore[misc]
         self._set_state(KernelState.suspending)
         t0 = time.monotonic()
         try:
-            self._gpu_state = await gpu.offload(
-                process_tree(self.pid), progress=self._gpu_progress
-            )
+            self._gpu_state = await gpu.offload(process_tree(self.pid), progress=self._gpu_progress)
         except BaseException as e:
             self._set_state(KernelState.running, reason=str(e))
             raise

@@ -1,0 +1,106 @@
+"""Shared fixtures: real ipykernel kernels under the cedana provisioner, real CRIU."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from jupyter_client.manager import AsyncKernelManager
+from jupyter_client.provisioning import KernelProvisionerFactory
+from traitlets.config import Config
+
+from jupyter_cedana.engine import CheckpointEngine
+
+pytest_plugins = ["pytest_jupyter.jupyter_server"]
+
+
+@pytest.fixture
+def checkpoint_root(tmp_path: Path) -> Path:
+    return tmp_path / "checkpoints"
+
+
+@pytest.fixture
+def engine_config(checkpoint_root: Path) -> Config:
+    c = Config()
+    c.CheckpointEngine.checkpoint_root = str(checkpoint_root)
+    return c
+
+
+@pytest.fixture(autouse=True)
+def _fresh_engine() -> Any:
+    """The engine is a per-process singleton; each test configures its own."""
+    CheckpointEngine.clear_instance()
+    yield
+    CheckpointEngine.clear_instance()
+
+
+@pytest.fixture
+async def kernel(engine_config: Config, tmp_path: Path) -> AsyncIterator[Any]:
+    """A started python3 kernel under CedanaProvisioner, with a ready client."""
+    KernelProvisionerFactory.instance().default_provisioner_name = "cedana-provisioner"
+    km = AsyncKernelManager(kernel_name="python3", config=engine_config)
+    workdir = tmp_path / "work"
+    workdir.mkdir()
+    await km.start_kernel(cwd=str(workdir), env={**os.environ, "CEDANA_TEST_VAR": "hello"})
+    kc = km.client()
+    kc.start_channels()
+    await kc.wait_for_ready(timeout=60)
+    km.test_client = kc  # type: ignore[attr-defined]
+    try:
+        yield km
+    finally:
+        kc.stop_channels()
+        if await km.is_alive() or km.has_kernel:
+            await km.shutdown_kernel(now=True)
+
+
+async def wait_iopub(kc: Any, timeout: float = 30) -> None:
+    """Confirm IOPub is connected: kernel_info requests until a status message arrives
+    (after a restore the client's SUB socket reconnects later than its DEALER)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        kc.kernel_info()
+        try:
+            while True:
+                msg = await kc.get_iopub_msg(timeout=0.2)
+                if msg["msg_type"] == "status":
+                    # drain what belongs to the probes
+                    await asyncio.sleep(0.05)
+                    while True:
+                        try:
+                            await kc.get_iopub_msg(timeout=0.05)
+                        except Exception:
+                            break
+                    while True:
+                        try:
+                            await kc.get_shell_msg(timeout=0.05)
+                        except Exception:
+                            return
+        except Exception:
+            continue
+    raise TimeoutError("IOPub did not come back")
+
+
+async def run(kc: Any, code: str, timeout: float = 60) -> tuple[dict[str, Any], str]:
+    """Execute code; return the reply content and everything printed to stdout."""
+    out: list[str] = []
+
+    def hook(msg: dict[str, Any]) -> None:
+        if msg["msg_type"] == "stream":
+            out.append(msg["content"]["text"])
+        elif msg["msg_type"] == "error":
+            out.append("\n".join(msg["content"]["traceback"]))
+
+    reply = await kc.execute_interactive(code, timeout=timeout, output_hook=hook)
+    return reply["content"], "".join(out)
+
+
+def kernel_pids(km: Any) -> set[int]:
+    from jupyter_cedana.proctree import process_tree
+
+    return process_tree(km.provisioner.pid)

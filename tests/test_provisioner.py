@@ -1,0 +1,403 @@
+"""Suspend and resume real ipykernel kernels with real CRIU."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import stat
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from jupyter_cedana.errors import CheckpointCorrupt, Conflict, ResumeFailed, SuspendFailed
+from jupyter_cedana.provisioner import KernelState
+from tests.conftest import kernel_pids, run, wait_iopub
+
+pytestmark = pytest.mark.criu
+
+STATE_SETUP = r"""
+import os, sys, threading, time, json
+import numpy as np
+import collections, decimal  # imported modules must survive
+i = 12345678901234
+s = "héllo wörld" * 3
+arr = np.arange(1_000_000, dtype=np.float64) * 1.5
+counter = [0]
+def tick():
+    while True:
+        counter[0] += 1
+        time.sleep(0.01)
+threading.Thread(target=tick, daemon=True).start()
+f = open("data.txt", "w+"); f.write("0123456789" * 10); f.flush(); f.seek(37)
+os.environ["CEDANA_SET_IN_KERNEL"] = "yes"
+time.sleep(0.2)
+before = counter[0]
+print("ready", before)
+"""
+
+STATE_CHECK = r"""
+time.sleep(0.3)
+print(json.dumps({
+    "i": i, "s": s, "arr_sum": float(arr.sum()), "arr_4": float(arr[4]),
+    "counting": counter[0] > before,
+    "cwd": os.getcwd(), "env": os.environ.get("CEDANA_TEST_VAR"),
+    "env_set": os.environ.get("CEDANA_SET_IN_KERNEL"), "pos": f.tell(), "read": f.read(5),
+    "modules": all(m in sys.modules for m in ("collections", "decimal", "numpy")),
+    "ppid_ok": os.getppid() > 0,
+}))
+"""
+
+
+async def test_suspend_resume_keeps_state(kernel, checkpoint_root: Path) -> None:
+    kc = kernel.test_client
+    reply, out = await run(kc, STATE_SETUP)
+    assert reply["status"] == "ok", out
+    count_before = reply["execution_count"]
+    prov = kernel.provisioner
+    pids_before = kernel_pids(kernel)
+    assert len(pids_before) >= 2  # cedana-init and the kernel
+
+    result = await prov.suspend()
+    assert result["state"] == "suspended" and result["tier"] == "disk"
+    assert prov.state == KernelState.suspended
+    # Every process of the kernel is gone, yet Jupyter sees it alive.
+    assert not [p for p in pids_before if Path(f"/proc/{p}").exists()]
+    assert await prov.poll() is None
+    assert await kernel.is_alive()
+
+    image = checkpoint_root / kernel.kernel_id
+    assert stat.S_IMODE(checkpoint_root.stat().st_mode) == 0o700
+    assert stat.S_IMODE(image.stat().st_mode) == 0o700
+    files = list(image.iterdir())
+    assert files and all(stat.S_IMODE(p.stat().st_mode) == 0o600 for p in files)
+    manifest = json.loads((image / "manifest.json").read_text())
+    assert manifest["kernel_id"] == kernel.kernel_id
+    assert manifest["kernel_name"] == "python3"
+    assert manifest["criu_version"].startswith("4.")
+    assert manifest["total_bytes"] == result["checkpoint_bytes"] > 8_000_000  # arr alone
+    assert all("crc32" in m for m in manifest["files"].values())
+    assert manifest["timings"]["dump_s"] > 0
+
+    await prov.resume()
+    assert prov.state == KernelState.running
+    assert not image.exists()  # deleted after a successful resume by default
+    assert prov.pid not in pids_before  # a new host PID, in a new PID namespace
+    await wait_iopub(kc)
+    reply, out = await run(kc, STATE_CHECK)
+    assert reply["status"] == "ok", out
+    assert reply["execution_count"] == count_before + 1
+    got = json.loads(out.strip().splitlines()[-1])
+    assert got == {
+        "i": 12345678901234,
+        "s": "héllo wörld" * 3,
+        "arr_sum": float(sum(range(1_000_000)) * 1.5),
+        "arr_4": 6.0,
+        "counting": True,
+        "cwd": str(Path(kernel.provisioner.cwd)),
+        "env": "hello",
+        "env_set": "yes",
+        "pos": 37,
+        "read": "78901",
+        "modules": True,
+        "ppid_ok": True,
+    }
+
+
+async def test_suspend_twice_and_resume_twice(kernel) -> None:
+    """Round trips repeat, and a kernel can be suspended again after a resume."""
+    kc = kernel.test_client
+    await run(kc, "n = 1")
+    for k in range(2):
+        await kernel.provisioner.suspend()
+        await kernel.provisioner.resume()
+        await wait_iopub(kc)
+        reply, out = await run(kc, "n += 1; print(n)")
+        assert out.strip() == str(k + 2)
+
+
+async def test_concurrent_requests_share_one_transition(kernel, checkpoint_root: Path) -> None:
+    prov = kernel.provisioner
+    a, b = await asyncio.gather(prov.suspend(), prov.suspend())
+    assert a == b and a["state"] == "suspended"
+    with pytest.raises(Conflict, match="already suspended"):
+        await prov.suspend()
+    a, b = await asyncio.gather(prov.resume(), prov.resume())
+    assert a == b and a["state"] == "running"
+    with pytest.raises(Conflict, match="running, not suspended"):
+        await prov.resume()
+
+
+async def test_interrupt_refused_while_suspended_and_works_after(kernel) -> None:
+    kc = kernel.test_client
+    prov = kernel.provisioner
+    await prov.suspend()
+    with pytest.raises(Conflict, match="suspended"):
+        await kernel.interrupt_kernel()
+    await prov.resume()
+    await wait_iopub(kc)
+    msg_id = kc.execute("import time; time.sleep(60)")
+    await asyncio.sleep(1.0)
+    await kernel.interrupt_kernel()
+    reply = await kc.get_shell_msg(timeout=20)
+    while reply["parent_header"].get("msg_id") != msg_id:
+        reply = await kc.get_shell_msg(timeout=20)
+    assert reply["content"]["status"] == "error"
+    assert reply["content"]["ename"] == "KeyboardInterrupt"
+
+
+async def test_orphans_are_reaped(kernel) -> None:
+    """A grandchild orphaned inside the kernel's namespace is reaped by cedana-init."""
+    kc = kernel.test_client
+    reply, _ = await run(
+        kc,
+        "import subprocess; subprocess.run(['sh', '-c', 'sleep 0.2 & exit 0'])",
+    )
+    assert reply["status"] == "ok"
+    await asyncio.sleep(1.0)
+    zombies = []
+    for pid in kernel_pids(kernel):
+        with open(f"/proc/{pid}/stat") as f:
+            if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                zombies.append(pid)
+    assert zombies == []
+    # ... and also after a restore
+    await kernel.provisioner.suspend()
+    await kernel.provisioner.resume()
+    await wait_iopub(kc)
+    reply, _ = await run(kc, "subprocess.run(['sh', '-c', 'sleep 0.2 & exit 0'])")
+    await asyncio.sleep(1.0)
+    states = []
+    for pid in kernel_pids(kernel):
+        with open(f"/proc/{pid}/stat") as f:
+            states.append(f.read().rsplit(")", 1)[1].split()[0])
+    assert "Z" not in states
+
+
+async def test_shutdown_of_suspended_kernel_leaves_nothing(kernel, checkpoint_root: Path) -> None:
+    prov = kernel.provisioner
+    ports = prov._ports()
+    await prov.suspend()
+    assert (checkpoint_root / kernel.kernel_id).exists()
+    # The ports stay reserved while suspended.
+    with socket.socket() as s, pytest.raises(OSError):
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("127.0.0.1", ports[0]))
+    t0 = time.monotonic()
+    await kernel.shutdown_kernel()
+    assert time.monotonic() - t0 < 4  # no shutdown grace period spent on a process-less kernel
+    assert not (checkpoint_root / kernel.kernel_id).exists()
+    assert [p.name for p in checkpoint_root.iterdir() if not p.name.startswith(".logs")] == []
+    assert not list((checkpoint_root / ".logs").iterdir())
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("127.0.0.1", ports[0]))
+
+
+async def test_restart_of_suspended_kernel_starts_fresh(kernel, checkpoint_root: Path) -> None:
+    kc = kernel.test_client
+    await run(kc, "x = 1")
+    await kernel.provisioner.suspend()
+    await kernel.restart_kernel()
+    assert kernel.provisioner.state == KernelState.running
+    assert not (checkpoint_root / kernel.kernel_id).exists()
+    await kc.wait_for_ready(timeout=60)
+    await wait_iopub(kc)
+    reply, out = await run(kc, "print('x' in dir())")
+    assert out.strip() == "False"
+
+
+async def test_provisioner_info_carries_suspended_state(kernel) -> None:
+    prov = kernel.provisioner
+    await prov.suspend()
+    info = await prov.get_provisioner_info()
+    assert info["cedana_state"] == "suspended" and info["cedana_tier"] == "disk"
+    other = type(prov)(kernel_id=prov.kernel_id, kernel_spec=prov.kernel_spec, parent=kernel)
+    other.connection_info = prov.connection_info
+    prov._release_ports()  # hand the reservation over, as a server restart would
+    await other.load_provisioner_info(info)
+    assert other.state == KernelState.suspended and await other.poll() is None
+    other._release_ports()
+    prov._reserve_ports()
+
+
+# -- faults -----------------------------------------------------------------------------
+
+
+async def test_failed_dump_leaves_kernel_running(kernel, checkpoint_root: Path) -> None:
+    """A deleted file held open that is larger than the ghost limit makes CRIU refuse."""
+    kc = kernel.test_client
+    kernel.provisioner.engine.ghost_limit = 1 << 20
+    reply, out = await run(
+        kc,
+        "import os, tempfile; g = tempfile.NamedTemporaryFile(dir='.', delete=False); "
+        "g.write(b'x' * (2 << 20)); g.flush(); os.unlink(g.name); y = 7",
+    )
+    assert reply["status"] == "ok", out
+    pids = kernel_pids(kernel)
+    with pytest.raises(SuspendFailed, match="CRIU dump failed") as info:
+        await kernel.provisioner.suspend()
+    assert "ghost" in info.value.message.lower()
+    assert kernel.provisioner.state == KernelState.running
+    assert kernel_pids(kernel) == pids
+    for pid in pids:  # continued, not left stopped
+        with open(f"/proc/{pid}/stat") as f:
+            assert f.read().rsplit(")", 1)[1].split()[0] != "T"
+    assert [p for p in checkpoint_root.iterdir() if p.name != ".logs"] == []
+    reply, out = await run(kc, "print(y * 6)")
+    assert out.strip() == "42"
+
+
+async def test_other_kernels_writing_history_do_not_break_restore(kernel, engine_config) -> None:
+    """IPython's shared history database grows while a kernel is suspended; the kernel
+    must not hold it open, or CRIU refuses the restore."""
+    from jupyter_client.manager import AsyncKernelManager
+
+    other = AsyncKernelManager(kernel_name="python3", config=engine_config)
+    await other.start_kernel()
+    okc = other.client()
+    okc.start_channels()
+    try:
+        await okc.wait_for_ready(timeout=60)
+        await run(kernel.test_client, "h = 'mine'")
+        await kernel.provisioner.suspend()
+        for k in range(5):
+            await run(okc, f"q{k} = {k} * 2")
+        await kernel.provisioner.resume()
+        await wait_iopub(kernel.test_client)
+        _, out = await run(kernel.test_client, "print(h)")
+        assert out.strip() == "mine"
+    finally:
+        okc.stop_channels()
+        await other.shutdown_kernel(now=True)
+
+
+@pytest.fixture
+def tiny_root(tmp_path: Path):
+    mnt = tmp_path / "tiny"
+    mnt.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)], check=True)
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+async def test_disk_full_leaves_kernel_running(kernel, tiny_root: Path) -> None:
+    kc = kernel.test_client
+    kernel.provisioner.engine.checkpoint_root = str(tiny_root)
+    reply, out = await run(kc, "import numpy as np; big = np.ones(5_000_000); z = 5")
+    assert reply["status"] == "ok", out
+    with pytest.raises(SuspendFailed) as info:
+        await kernel.provisioner.suspend()
+    assert "space" in info.value.message.lower() or "write" in info.value.message.lower()
+    assert kernel.provisioner.state == KernelState.running
+    assert [p.name for p in tiny_root.iterdir() if p.name != ".logs"] == []
+    reply, out = await run(kc, "print(z + int(big.sum()))")
+    assert out.strip() == str(5_000_005)
+
+
+async def test_kernel_exiting_mid_dump(kernel, checkpoint_root: Path) -> None:
+    kc = kernel.test_client
+    reply, _ = await run(kc, "import numpy as np; big = np.ones(150_000_000)")  # 1.2 GB
+    assert reply["status"] == "ok"
+    prov = kernel.provisioner
+    task = asyncio.ensure_future(prov.suspend())
+    await asyncio.sleep(0.15)
+    os.kill(prov.pid, signal.SIGKILL)
+    with pytest.raises(SuspendFailed):
+        await task
+    assert prov.state == KernelState.running
+    assert [p for p in checkpoint_root.iterdir() if p.name != ".logs"] == []
+    await asyncio.sleep(0.2)
+    assert await prov.poll() is not None  # dead, reported as such: the restarter may act
+
+
+async def test_failed_restore_keeps_image_and_retry_works(
+    kernel, checkpoint_root: Path, tmp_path: Path
+) -> None:
+    """A file the kernel holds open changes size while it is suspended: CRIU refuses to
+    restore; once the file is back, a retry succeeds."""
+    kc = kernel.test_client
+    data = tmp_path / "input.csv"
+    data.write_text("a,b\n1,2\n")
+    reply, _ = await run(kc, f"fh = open({str(data)!r}); first = fh.readline()")
+    assert reply["status"] == "ok"
+    prov = kernel.provisioner
+    await prov.suspend()
+    data.write_text("a,b\n1,2\n3,4\n")
+    with pytest.raises(ResumeFailed, match="size"):
+        await prov.resume()
+    assert prov.state == KernelState.failed and "size" in (prov.reason or "")
+    assert (checkpoint_root / kernel.kernel_id / "manifest.json").exists()
+    assert await prov.poll() is None  # still "alive": the image is the kernel now
+    data.write_text("a,b\n1,2\n")
+    await prov.resume()
+    assert prov.state == KernelState.running
+    await wait_iopub(kc)
+    reply, out = await run(kc, "print(first.strip(), fh.readline().strip())")
+    assert out.strip() == "a,b 1,2"
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "missing"])
+async def test_corrupt_image_is_detected(kernel, checkpoint_root: Path, damage: str) -> None:
+    prov = kernel.provisioner
+    await run(kernel.test_client, "w = 99")
+    await prov.suspend()
+    image = checkpoint_root / kernel.kernel_id
+    pages = max(image.glob("pages-*.img"), key=lambda p: p.stat().st_size)
+    original = pages.read_bytes()
+    if damage == "flip":
+        buf = bytearray(original)
+        buf[len(buf) // 2] ^= 0xFF
+        pages.write_bytes(bytes(buf))
+    elif damage == "truncate":
+        pages.write_bytes(original[: len(original) // 2])
+    else:
+        pages.unlink()
+    with pytest.raises(CheckpointCorrupt) as info:
+        await prov.resume()
+    assert pages.name in info.value.message
+    assert prov.state == KernelState.failed
+    assert image.exists()
+    pages.write_bytes(original)
+    await prov.resume()
+    await wait_iopub(kernel.test_client)
+    _, out = await run(kernel.test_client, "print(w)")
+    assert out.strip() == "99"
+
+
+async def test_restore_when_old_pid_is_taken(kernel) -> None:
+    prov = kernel.provisioner
+    await run(kernel.test_client, "v = 'still here'")
+    old = sorted(kernel_pids(kernel))
+    await prov.suspend()
+    squatters = []
+    for pid in old:  # put other processes on the kernel's old PID numbers
+        with open("/proc/sys/kernel/ns_last_pid", "w") as f:
+            f.write(str(pid - 1))
+        p = subprocess.Popen(["sleep", "60"])
+        squatters.append(p)
+    try:
+        assert any(p.pid in old for p in squatters)
+        await prov.resume()
+        await wait_iopub(kernel.test_client)
+        _, out = await run(kernel.test_client, "print(v)")
+        assert out.strip() == "still here"
+    finally:
+        for p in squatters:
+            p.kill()
+            p.wait()
+
+
+async def test_transitions_refused_in_wrong_state(kernel) -> None:
+    prov = kernel.provisioner
+    with pytest.raises(Conflict):
+        await prov.resume()
+    with pytest.raises(ValueError):
+        await prov.suspend(tier="cloud")
+    await kernel.shutdown_kernel(now=True)
+    with pytest.raises(Conflict, match="not running"):
+        await prov.suspend()
