@@ -1,0 +1,324 @@
+/*
+ * TEST-ONLY FAKE of libcuda.so.1: cuInit, cuDriverGetVersion, cuGetErrorName/
+ * String and the process checkpoint API, scripted by $CEDANA_FAKE_GPU_STATE
+ * (see fakegpu_state.h). It implements the driver's per-process state machine
+ * RUNNING -> LOCKED -> CHECKPOINTED -> (restore) -> LOCKED -> (unlock) -> RUNNING
+ * and writes it back, so the fake NVML sees device memory freed and taken again.
+ * Built with -DFAKE_OLD_DRIVER it lacks the checkpoint API (a pre-r570 driver).
+ */
+#include <signal.h>
+#include <stdint.h>
+
+#include "fakegpu_state.h"
+
+typedef int CUresult;
+
+#define CUDA_SUCCESS 0
+#define CUDA_ERROR_INVALID_VALUE 1
+#define CUDA_ERROR_OUT_OF_MEMORY 2
+#define CUDA_ERROR_NOT_INITIALIZED 3
+#define CUDA_ERROR_OPERATING_SYSTEM 304
+#define CUDA_ERROR_ILLEGAL_STATE 401
+
+static const struct {
+	int code;
+	const char *name, *text;
+} errors[] = {
+	{0, "CUDA_SUCCESS", "no error"},
+	{1, "CUDA_ERROR_INVALID_VALUE", "invalid argument"},
+	{2, "CUDA_ERROR_OUT_OF_MEMORY", "out of memory"},
+	{3, "CUDA_ERROR_NOT_INITIALIZED", "initialization error"},
+	{4, "CUDA_ERROR_DEINITIALIZED", "driver shutting down"},
+	{100, "CUDA_ERROR_NO_DEVICE", "no CUDA-capable device is detected"},
+	{304, "CUDA_ERROR_OPERATING_SYSTEM", "OS call failed or operation not supported on this OS"},
+	{401, "CUDA_ERROR_ILLEGAL_STATE", "the operation cannot be performed in the present state"},
+	{500, "CUDA_ERROR_NOT_FOUND", "named symbol not found"},
+	{600, "CUDA_ERROR_NOT_READY", "device not ready"},
+	{801, "CUDA_ERROR_NOT_SUPPORTED", "operation not supported"},
+	{909, "CUDA_ERROR_TIMEOUT", "the operation timed out"},
+	{999, "CUDA_ERROR_UNKNOWN", "unknown error"},
+};
+
+static int initialized;
+
+CUresult cuGetErrorName(CUresult r, const char **out)
+{
+	for (size_t i = 0; i < sizeof(errors) / sizeof(errors[0]); i++)
+		if (errors[i].code == r) {
+			*out = errors[i].name;
+			return CUDA_SUCCESS;
+		}
+	*out = NULL;
+	return CUDA_ERROR_INVALID_VALUE;
+}
+
+CUresult cuGetErrorString(CUresult r, const char **out)
+{
+	for (size_t i = 0; i < sizeof(errors) / sizeof(errors[0]); i++)
+		if (errors[i].code == r) {
+			*out = errors[i].text;
+			return CUDA_SUCCESS;
+		}
+	*out = NULL;
+	return CUDA_ERROR_INVALID_VALUE;
+}
+
+CUresult cuInit(unsigned int flags)
+{
+	struct fg_state s;
+	CUresult rc = CUDA_SUCCESS;
+	if (flags != 0) {
+		rc = CUDA_ERROR_INVALID_VALUE;
+	} else if (fg_load(&s, NULL) != 0) {
+		rc = 100; /* no state file: CUDA_ERROR_NO_DEVICE */
+	} else {
+		struct fg_err *e = fg_find_err(&s, "init", 0, 0);
+		if (e)
+			rc = e->code;
+		else if (s.ndev == 0)
+			rc = 100; /* CUDA_ERROR_NO_DEVICE */
+	}
+	initialized = rc == CUDA_SUCCESS;
+	fg_log("cuda init pid=%d rc=%d", (int)getpid(), rc);
+	return rc;
+}
+
+CUresult cuDriverGetVersion(int *version)
+{
+	struct fg_state s;
+	if (!version)
+		return CUDA_ERROR_INVALID_VALUE;
+	*version = fg_load(&s, NULL) == 0 ? s.cuda : 12080;
+	return CUDA_SUCCESS;
+}
+
+#ifndef FAKE_OLD_DRIVER
+
+typedef struct {
+	char bytes[16];
+} CUuuid;
+
+typedef struct {
+	CUuuid oldUuid, newUuid;
+} CUcheckpointGpuPair;
+
+typedef struct {
+	unsigned int timeoutMs;
+	unsigned int reserved0;
+	uint64_t reserved1[7];
+} CUcheckpointLockArgs;
+
+typedef struct {
+	uint64_t reserved[8];
+} CUcheckpointOtherArgs; /* checkpoint and unlock */
+
+typedef struct {
+	CUcheckpointGpuPair *gpuPairs;
+	unsigned int gpuPairsCount;
+	char reserved[52 - sizeof(CUcheckpointGpuPair *)];
+	uint64_t reserved1;
+} CUcheckpointRestoreArgs;
+
+static int all_zero(const void *p, size_t n)
+{
+	const unsigned char *c = p;
+	for (size_t i = 0; i < n; i++)
+		if (c[i])
+			return 0;
+	return 1;
+}
+
+static void uuid_to_string(const CUuuid *u, char *out, size_t cap)
+{
+	const unsigned char *b = (const unsigned char *)u->bytes;
+	snprintf(out, cap,
+		 "GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x", b[0],
+		 b[1], b[2], b[3], b[4], b[5], b[6], b[7], b[8], b[9], b[10], b[11], b[12], b[13],
+		 b[14], b[15]);
+}
+
+static struct fg_dev *dev_by_uuid(struct fg_state *s, const char *uuid)
+{
+	for (int i = 0; i < s->ndev; i++)
+		if (strcasecmp(s->dev[i].uuid, uuid) == 0)
+			return &s->dev[i];
+	return NULL;
+}
+
+/*
+ * Common frame of every checkpoint call: load the state locked, find the process,
+ * apply an injected error if one matches, else run `step`, then write back.
+ */
+typedef CUresult (*step_fn)(struct fg_state *s, struct fg_proc *p, void *arg, char *note,
+			    size_t cap);
+
+static CUresult run_op(const char *op, int pid, step_fn step, void *arg)
+{
+	struct fg_state s;
+	int fd = -1;
+	char note[256] = "";
+	CUresult rc;
+	if (!initialized) {
+		fg_log("cuda %s pid=%d rc=%d", op, pid, CUDA_ERROR_NOT_INITIALIZED);
+		return CUDA_ERROR_NOT_INITIALIZED;
+	}
+	if (fg_load(&s, &fd) != 0)
+		return CUDA_ERROR_NOT_INITIALIZED;
+	struct fg_proc *p = NULL;
+	for (int i = 0; i < s.nproc; i++)
+		if (s.proc[i].pid == pid)
+			p = &s.proc[i];
+	struct fg_err *e = fg_find_err(&s, op, pid, 0);
+	if (pid <= 0 || kill(pid, 0) != 0 || !p) {
+		/* not a live CUDA process: what the driver answers for such pids */
+		rc = CUDA_ERROR_INVALID_VALUE;
+	} else if (e) {
+		rc = e->code;
+		if (e->times > 0)
+			e->times--;
+		if (e->fail_state >= 0)
+			p->state = e->fail_state;
+		snprintf(note, sizeof(note), " injected=1");
+	} else {
+		rc = step(&s, p, arg, note, sizeof(note));
+	}
+	fg_save(&s, fd);
+	fg_log("cuda %s pid=%d rc=%d%s", op, pid, rc, note);
+	return rc;
+}
+
+static CUresult step_get_state(struct fg_state *s, struct fg_proc *p, void *arg, char *note,
+			       size_t cap)
+{
+	(void)s;
+	*(int *)arg = p->state;
+	snprintf(note, cap, " state=%s", fg_state_names[p->state]);
+	return CUDA_SUCCESS;
+}
+
+static CUresult step_lock(struct fg_state *s, struct fg_proc *p, void *arg, char *note, size_t cap)
+{
+	(void)s;
+	CUcheckpointLockArgs *a = arg;
+	if (a && (a->reserved0 || !all_zero(a->reserved1, sizeof(a->reserved1))))
+		return CUDA_ERROR_INVALID_VALUE;
+	snprintf(note, cap, " timeout_ms=%u", a ? a->timeoutMs : 0);
+	if (p->state != FG_RUNNING)
+		return CUDA_ERROR_ILLEGAL_STATE;
+	p->state = FG_LOCKED;
+	return CUDA_SUCCESS;
+}
+
+static CUresult step_checkpoint(struct fg_state *s, struct fg_proc *p, void *arg, char *note,
+				size_t cap)
+{
+	(void)s;
+	(void)note;
+	(void)cap;
+	CUcheckpointOtherArgs *a = arg;
+	if (a && !all_zero(a, sizeof(*a)))
+		return CUDA_ERROR_INVALID_VALUE;
+	if (p->state != FG_LOCKED)
+		return CUDA_ERROR_ILLEGAL_STATE;
+	p->state = FG_CHECKPOINTED; /* device memory released: fg_used() stops counting it */
+	return CUDA_SUCCESS;
+}
+
+static CUresult step_restore(struct fg_state *s, struct fg_proc *p, void *arg, char *note,
+			     size_t cap)
+{
+	CUcheckpointRestoreArgs *a = arg;
+	struct fg_dev *cur = fg_dev_by_index(s, p->dev);
+	struct fg_dev *target = cur;
+	if (a && (!all_zero(a->reserved, sizeof(a->reserved)) || a->reserved1))
+		return CUDA_ERROR_INVALID_VALUE;
+	if (p->state != FG_CHECKPOINTED)
+		return CUDA_ERROR_ILLEGAL_STATE;
+	/* After a restore that ran out of memory the real driver stays broken. */
+	if (p->stuck)
+		return CUDA_ERROR_OPERATING_SYSTEM;
+	if (a && a->gpuPairsCount) {
+		int found = 0;
+		size_t off = 0;
+		for (unsigned i = 0; i < a->gpuPairsCount; i++) {
+			char old[64], new[64];
+			uuid_to_string(&a->gpuPairs[i].oldUuid, old, sizeof(old));
+			uuid_to_string(&a->gpuPairs[i].newUuid, new, sizeof(new));
+			if (off < cap)
+				off += (size_t)snprintf(note + off, cap - off, "%s%s>%s",
+							i ? "," : " pairs=", old, new);
+			if (cur && strcasecmp(cur->uuid, old) == 0) {
+				found = 1;
+				target = dev_by_uuid(s, new);
+			}
+		}
+		/* every checkpointed GPU must be listed; the new GPU must be the same chip */
+		if (!found || !target || !cur || strcmp(target->name, cur->name) != 0)
+			return CUDA_ERROR_INVALID_VALUE;
+	}
+	if (!target)
+		return CUDA_ERROR_INVALID_VALUE;
+	if (target->total - fg_used(s, target->index) < p->mem) {
+		p->stuck = 1;
+		return CUDA_ERROR_OUT_OF_MEMORY;
+	}
+	p->dev = target->index;
+	p->state = FG_LOCKED;
+	return CUDA_SUCCESS;
+}
+
+static CUresult step_unlock(struct fg_state *s, struct fg_proc *p, void *arg, char *note,
+			    size_t cap)
+{
+	(void)s;
+	(void)note;
+	(void)cap;
+	CUcheckpointOtherArgs *a = arg;
+	if (a && !all_zero(a, sizeof(*a)))
+		return CUDA_ERROR_INVALID_VALUE;
+	if (p->state != FG_LOCKED)
+		return CUDA_ERROR_ILLEGAL_STATE;
+	p->state = FG_RUNNING;
+	return CUDA_SUCCESS;
+}
+
+static CUresult step_tid(struct fg_state *s, struct fg_proc *p, void *arg, char *note, size_t cap)
+{
+	(void)s;
+	(void)note;
+	(void)cap;
+	*(int *)arg = p->pid;
+	return CUDA_SUCCESS;
+}
+
+CUresult cuCheckpointProcessGetState(int pid, int *state)
+{
+	return state ? run_op("get_state", pid, step_get_state, state) : CUDA_ERROR_INVALID_VALUE;
+}
+
+CUresult cuCheckpointProcessLock(int pid, CUcheckpointLockArgs *args)
+{
+	return run_op("lock", pid, step_lock, args);
+}
+
+CUresult cuCheckpointProcessCheckpoint(int pid, CUcheckpointOtherArgs *args)
+{
+	return run_op("checkpoint", pid, step_checkpoint, args);
+}
+
+CUresult cuCheckpointProcessRestore(int pid, CUcheckpointRestoreArgs *args)
+{
+	return run_op("restore", pid, step_restore, args);
+}
+
+CUresult cuCheckpointProcessUnlock(int pid, CUcheckpointOtherArgs *args)
+{
+	return run_op("unlock", pid, step_unlock, args);
+}
+
+CUresult cuCheckpointProcessGetRestoreThreadId(int pid, int *tid)
+{
+	return tid ? run_op("restore_tid", pid, step_tid, tid) : CUDA_ERROR_INVALID_VALUE;
+}
+
+#endif

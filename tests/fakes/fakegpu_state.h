@@ -1,0 +1,311 @@
+/*
+ * TEST-ONLY FAKE GPU: the shared state of the fake libcuda.so.1 and the fake
+ * libnvidia-ml.so.1 built from this folder. Nothing here talks to hardware.
+ *
+ * The state is a plain text file named by $CEDANA_FAKE_GPU_STATE, re-read on
+ * every call (so a test and the processes under test see one GPU world) and
+ * written back, under an exclusive flock, when the fake libcuda changes it.
+ * One record per line, `kind key=value ...`; a `name=` value runs to the end
+ * of the line. Lines starting with # are ignored (and not written back).
+ *
+ *   driver version=570.86.10 cuda=12080
+ *   device index=0 uuid=GPU-... total=BYTES reserved=BYTES minor=0 mig=0 gpu_util=0
+ *          mem_util=0 name=NVIDIA H100 80GB HBM3
+ *   proc pid=HOSTPID dev=0 mem=BYTES state=running|locked|checkpointed|failed
+ *        nvml_pid=PID (as NVML reports it, default = pid) mps=0 stuck=0
+ *   util pid=NVMLPID dev=0 sm=PERCENT mem=PERCENT
+ *   error op=lock|checkpoint|restore|unlock|get_state|init pid=PID|0 code=CUresult
+ *         times=N (-1: always) fail_state=failed (optional: state after failing)
+ *   nvml_error fn=nvmlDeviceGetProcessUtilization code=NVML_ERROR
+ *
+ * Calls are appended to $CEDANA_FAKE_GPU_STATE.log (`cuda OP pid=N rc=N ...`).
+ */
+#ifndef FAKEGPU_STATE_H
+#define FAKEGPU_STATE_H
+
+#define _GNU_SOURCE
+#include <fcntl.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/file.h>
+#include <unistd.h>
+
+#define FG_MAX_DEV 16
+#define FG_MAX_PROC 512
+#define FG_MAX_UTIL 512
+#define FG_MAX_ERR 32
+
+enum { FG_RUNNING = 0, FG_LOCKED = 1, FG_CHECKPOINTED = 2, FG_FAILED = 3 };
+
+struct fg_dev {
+	int index;
+	char uuid[96];
+	char name[96];
+	unsigned long long total, reserved;
+	int minor, mig, gpu_util, mem_util;
+};
+
+struct fg_proc {
+	int pid, nvml_pid, dev, state, mps, stuck;
+	unsigned long long mem;
+};
+
+struct fg_util {
+	int pid, dev, sm, mem;
+};
+
+struct fg_err {
+	char op[64];
+	int pid, code, times, fail_state;
+	int nvml; /* 1: an nvml_error record */
+};
+
+struct fg_state {
+	char driver[80];
+	int cuda;
+	int ndev, nproc, nutil, nerr;
+	struct fg_dev dev[FG_MAX_DEV];
+	struct fg_proc proc[FG_MAX_PROC];
+	struct fg_util util[FG_MAX_UTIL];
+	struct fg_err err[FG_MAX_ERR];
+};
+
+static const char *fg_state_names[] = {"running", "locked", "checkpointed", "failed"};
+
+static __attribute__((unused)) int fg_parse_state(const char *v)
+{
+	for (int i = 0; i < 4; i++)
+		if (strcmp(v, fg_state_names[i]) == 0)
+			return i;
+	return FG_RUNNING;
+}
+
+static __attribute__((unused)) const char *fg_path(void)
+{
+	const char *p = getenv("CEDANA_FAKE_GPU_STATE");
+	return (p && *p) ? p : NULL;
+}
+
+static __attribute__((unused)) void fg_log(const char *fmt, ...)
+{
+	const char *p = fg_path();
+	if (!p)
+		return;
+	char path[4096];
+	snprintf(path, sizeof(path), "%s.log", p);
+	FILE *f = fopen(path, "a");
+	if (!f)
+		return;
+	va_list ap;
+	va_start(ap, fmt);
+	vfprintf(f, fmt, ap);
+	va_end(ap);
+	fputc('\n', f);
+	fclose(f);
+}
+
+static __attribute__((unused)) void fg_parse_line(struct fg_state *s, char *line)
+{
+	char *kind = strtok(line, " \t\n");
+	if (!kind || kind[0] == '#')
+		return;
+	struct fg_dev *d = NULL;
+	struct fg_proc *p = NULL;
+	struct fg_util *u = NULL;
+	struct fg_err *e = NULL;
+	if (strcmp(kind, "device") == 0 && s->ndev < FG_MAX_DEV) {
+		d = &s->dev[s->ndev];
+		memset(d, 0, sizeof(*d));
+		d->index = s->ndev;
+		d->minor = -1;
+		s->ndev++;
+	} else if (strcmp(kind, "proc") == 0 && s->nproc < FG_MAX_PROC) {
+		p = &s->proc[s->nproc++];
+		memset(p, 0, sizeof(*p));
+		p->nvml_pid = -1;
+	} else if (strcmp(kind, "util") == 0 && s->nutil < FG_MAX_UTIL) {
+		u = &s->util[s->nutil++];
+		memset(u, 0, sizeof(*u));
+	} else if ((strcmp(kind, "error") == 0 || strcmp(kind, "nvml_error") == 0) &&
+		   s->nerr < FG_MAX_ERR) {
+		e = &s->err[s->nerr++];
+		memset(e, 0, sizeof(*e));
+		e->times = -1;
+		e->fail_state = -1;
+		e->nvml = kind[0] == 'n';
+	} else if (strcmp(kind, "driver") != 0) {
+		return;
+	}
+	char *tok;
+	while ((tok = strtok(NULL, " \t\n")) != NULL) {
+		char *eq = strchr(tok, '=');
+		if (!eq)
+			continue;
+		*eq = 0;
+		const char *k = tok, *v = eq + 1;
+		long long n = strtoll(v, NULL, 10);
+		if (d) {
+			if (strcmp(k, "name") == 0) {
+				/* the name runs to the end of the line */
+				char *rest = strtok(NULL, "\n");
+				snprintf(d->name, sizeof(d->name), "%s%s%s", v, rest ? " " : "",
+					 rest ? rest : "");
+				break;
+			}
+			if (strcmp(k, "index") == 0) d->index = (int)n;
+			else if (strcmp(k, "uuid") == 0) snprintf(d->uuid, sizeof(d->uuid), "%s", v);
+			else if (strcmp(k, "total") == 0) d->total = (unsigned long long)n;
+			else if (strcmp(k, "reserved") == 0) d->reserved = (unsigned long long)n;
+			else if (strcmp(k, "minor") == 0) d->minor = (int)n;
+			else if (strcmp(k, "mig") == 0) d->mig = (int)n;
+			else if (strcmp(k, "gpu_util") == 0) d->gpu_util = (int)n;
+			else if (strcmp(k, "mem_util") == 0) d->mem_util = (int)n;
+		} else if (p) {
+			if (strcmp(k, "pid") == 0) p->pid = (int)n;
+			else if (strcmp(k, "nvml_pid") == 0) p->nvml_pid = (int)n;
+			else if (strcmp(k, "dev") == 0) p->dev = (int)n;
+			else if (strcmp(k, "mem") == 0) p->mem = (unsigned long long)n;
+			else if (strcmp(k, "state") == 0) p->state = fg_parse_state(v);
+			else if (strcmp(k, "mps") == 0) p->mps = (int)n;
+			else if (strcmp(k, "stuck") == 0) p->stuck = (int)n;
+		} else if (u) {
+			if (strcmp(k, "pid") == 0) u->pid = (int)n;
+			else if (strcmp(k, "dev") == 0) u->dev = (int)n;
+			else if (strcmp(k, "sm") == 0) u->sm = (int)n;
+			else if (strcmp(k, "mem") == 0) u->mem = (int)n;
+		} else if (e) {
+			if (strcmp(k, "op") == 0 || strcmp(k, "fn") == 0)
+				snprintf(e->op, sizeof(e->op), "%s", v);
+			else if (strcmp(k, "pid") == 0) e->pid = (int)n;
+			else if (strcmp(k, "code") == 0) e->code = (int)n;
+			else if (strcmp(k, "times") == 0) e->times = (int)n;
+			else if (strcmp(k, "fail_state") == 0) e->fail_state = fg_parse_state(v);
+		} else {
+			if (strcmp(k, "version") == 0) snprintf(s->driver, sizeof(s->driver), "%s", v);
+			else if (strcmp(k, "cuda") == 0) s->cuda = (int)n;
+		}
+	}
+	if (d && d->minor < 0)
+		d->minor = d->index;
+	if (p && p->nvml_pid < 0)
+		p->nvml_pid = p->pid;
+}
+
+static __attribute__((unused)) void fg_parse(struct fg_state *s, FILE *f)
+{
+	memset(s, 0, sizeof(*s));
+	snprintf(s->driver, sizeof(s->driver), "570.00.00");
+	s->cuda = 12080;
+	char line[1024];
+	while (fgets(line, sizeof(line), f))
+		fg_parse_line(s, line);
+}
+
+/* Read the state; with `lock_fd` non-NULL keep the file open and exclusively
+ * locked for a later fg_save(). Returns 0 on success. */
+static __attribute__((unused)) int fg_load(struct fg_state *s, int *lock_fd)
+{
+	const char *path = fg_path();
+	memset(s, 0, sizeof(*s));
+	if (!path)
+		return -1;
+	int fd = open(path, lock_fd ? O_RDWR : O_RDONLY);
+	if (fd < 0)
+		return -1;
+	flock(fd, lock_fd ? LOCK_EX : LOCK_SH);
+	FILE *f = fdopen(dup(fd), "r");
+	if (!f) {
+		close(fd);
+		return -1;
+	}
+	fg_parse(s, f);
+	fclose(f);
+	if (lock_fd)
+		*lock_fd = fd;
+	else
+		close(fd); /* drops the shared lock */
+	return 0;
+}
+
+static __attribute__((unused)) void fg_save(const struct fg_state *s, int fd)
+{
+	/* reading moved the shared offset to the end: rewind before rewriting */
+	FILE *f = lseek(fd, 0, SEEK_SET) == 0 ? fdopen(dup(fd), "w") : NULL;
+	if (f) {
+		if (ftruncate(fd, 0) == 0) {
+			fprintf(f, "driver version=%s cuda=%d\n", s->driver, s->cuda);
+			for (int i = 0; i < s->ndev; i++) {
+				const struct fg_dev *d = &s->dev[i];
+				fprintf(f,
+					"device index=%d uuid=%s total=%llu reserved=%llu minor=%d "
+					"mig=%d gpu_util=%d mem_util=%d name=%s\n",
+					d->index, d->uuid, d->total, d->reserved, d->minor, d->mig,
+					d->gpu_util, d->mem_util, d->name);
+			}
+			for (int i = 0; i < s->nproc; i++) {
+				const struct fg_proc *p = &s->proc[i];
+				fprintf(f,
+					"proc pid=%d nvml_pid=%d dev=%d mem=%llu state=%s mps=%d "
+					"stuck=%d\n",
+					p->pid, p->nvml_pid, p->dev, p->mem, fg_state_names[p->state],
+					p->mps, p->stuck);
+			}
+			for (int i = 0; i < s->nutil; i++)
+				fprintf(f, "util pid=%d dev=%d sm=%d mem=%d\n", s->util[i].pid,
+					s->util[i].dev, s->util[i].sm, s->util[i].mem);
+			for (int i = 0; i < s->nerr; i++) {
+				const struct fg_err *e = &s->err[i];
+				if (e->times == 0)
+					continue; /* used up */
+				fprintf(f, "%s %s=%s pid=%d code=%d times=%d", e->nvml ? "nvml_error" : "error",
+					e->nvml ? "fn" : "op", e->op, e->pid, e->code, e->times);
+				if (e->fail_state >= 0)
+					fprintf(f, " fail_state=%s", fg_state_names[e->fail_state]);
+				fputc('\n', f);
+			}
+		}
+		fflush(f);
+		fclose(f);
+	}
+	flock(fd, LOCK_UN);
+	close(fd);
+}
+
+/* Memory in use on a device: reserved plus every process that still holds memory. */
+static __attribute__((unused)) unsigned long long fg_used(const struct fg_state *s, int dev)
+{
+	unsigned long long used = 0;
+	for (int i = 0; i < s->ndev; i++)
+		if (s->dev[i].index == dev)
+			used = s->dev[i].reserved;
+	for (int i = 0; i < s->nproc; i++) {
+		const struct fg_proc *p = &s->proc[i];
+		if (p->dev == dev && (p->state == FG_RUNNING || p->state == FG_LOCKED))
+			used += p->mem;
+	}
+	return used;
+}
+
+static __attribute__((unused)) struct fg_dev *fg_dev_by_index(struct fg_state *s, int index)
+{
+	for (int i = 0; i < s->ndev; i++)
+		if (s->dev[i].index == index)
+			return &s->dev[i];
+	return NULL;
+}
+
+/* An injected error for (op, pid): returns its code (consuming one use) or 0. */
+static __attribute__((unused)) struct fg_err *fg_find_err(struct fg_state *s, const char *op, int pid, int nvml)
+{
+	for (int i = 0; i < s->nerr; i++) {
+		struct fg_err *e = &s->err[i];
+		if (e->nvml == nvml && e->times != 0 && strcmp(e->op, op) == 0 &&
+		    (e->pid == 0 || e->pid == pid))
+			return e;
+	}
+	return NULL;
+}
+
+#endif
