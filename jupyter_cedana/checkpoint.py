@@ -3,6 +3,7 @@ renamed into place only when complete, with a manifest of sizes and checksums.""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -195,10 +196,8 @@ class CheckpointStore:
         if self.root.is_dir():
             for dirpath, _dirs, files in os.walk(self.root):
                 for name in files:
-                    try:
+                    with contextlib.suppress(OSError):
                         used += os.lstat(os.path.join(dirpath, name)).st_size
-                    except OSError:
-                        pass
         probe = self.root if self.root.exists() else self.root.parent
         while not probe.exists():
             probe = probe.parent

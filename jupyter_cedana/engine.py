@@ -7,6 +7,7 @@ extension and every kernel provisioner agree on the binary, the options and the 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import re
 import shutil
@@ -15,6 +16,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from jupyter_core.paths import jupyter_data_dir
 from traitlets import Bool, Float, Integer, List, Unicode, default
@@ -60,10 +62,8 @@ def dir_bytes(path: Path) -> int:
     try:
         with os.scandir(path) as it:
             for entry in it:
-                try:
+                with contextlib.suppress(OSError):
                     total += entry.stat(follow_symlinks=False).st_size
-                except OSError:
-                    pass
     except OSError:
         pass
     return total
@@ -151,8 +151,54 @@ class CheckpointEngine(SingletonConfigurable):
         config=True
     )
 
+    gpu = Bool(
+        True,
+        help="Watch GPU use through NVML and checkpoint GPU memory through the CUDA driver "
+        "when the machine has them; off: kernels are treated as CPU-only.",
+    ).tag(config=True)
+
     _info: EngineInfo | None = None
     _store: CheckpointStore | None = None
+    _monitor: Any = None
+    _cuda: Any = None
+    _cuda_started = False
+
+    def gpu_monitor(self) -> Any:
+        """The GpuMonitor shared by the policy and GPU checkpointing (None when off)."""
+        if not self.gpu:
+            return None
+        if self._monitor is None:
+            from .gpu import GpuMonitor
+
+            self._monitor = GpuMonitor(parent=self)
+        return self._monitor
+
+    async def cuda_checkpointer(self) -> Any:
+        """The started CUDA checkpointer, or None when this machine cannot checkpoint GPU
+        memory (no driver, driver older than r570, helper missing)."""
+        if not self.gpu:
+            return None
+        if not self._cuda_started:
+            from .cuda import CudaCheckpointer
+
+            self._cuda_started = True
+            self._cuda = CudaCheckpointer(parent=self, monitor=self.gpu_monitor())
+            try:
+                await self._cuda.start()
+            except Exception as e:
+                self.log.warning("CUDA checkpoint helper failed to start: %s", e)
+        return self._cuda if self._cuda is not None and self._cuda.available else None
+
+    def cuda_status(self) -> tuple[bool, str | None]:
+        if self._cuda is None:
+            return False, "CUDA checkpoint helper not started"
+        return bool(self._cuda.available), self._cuda.reason
+
+    async def close(self) -> None:
+        if self._cuda is not None:
+            await self._cuda.stop()
+        if self._monitor is not None:
+            self._monitor.close()
 
     @property
     def store(self) -> CheckpointStore:

@@ -25,7 +25,13 @@ from jupyter_client.launcher import launch_kernel
 from jupyter_client.provisioning import LocalProvisioner
 
 from .engine import CheckpointEngine, tree_rss
-from .errors import CheckpointCorrupt, Conflict, ResumeFailed, SuspendFailed
+from .errors import (
+    CedanaError,
+    Conflict,
+    InsufficientGpuMemory,
+    ResumeFailed,
+    SuspendFailed,
+)
 from .proctree import process_tree
 
 PORT_NAMES = ("shell_port", "iopub_port", "stdin_port", "hb_port", "control_port")
@@ -200,7 +206,7 @@ class CedanaProvisioner(LocalProvisioner):  # type: ignore[misc]
             return
         if signum == signal.SIGKILL and not self.engine.pidns:
             # Without a PID namespace, killing the init would orphan the kernel.
-            for pid in sorted(process_tree(self.pid), reverse=True):
+            for pid in sorted(process_tree(self.pid or 0), reverse=True):
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signum)
             return
@@ -349,22 +355,25 @@ class CedanaProvisioner(LocalProvisioner):  # type: ignore[misc]
         self._set_state(KernelState.suspending)
         try:
             return await self._dump(from_offload=False)
-        except BaseException:
+        except BaseException as e:
             if self.state == KernelState.suspending:
-                self._set_state(previous)
+                self._set_state(previous, reason=getattr(e, "message", None) or str(e))
             raise
 
     async def _offload(self) -> dict[str, Any]:
-        gpu = self._gpu()
+        gpu = await self._gpu()
         if gpu is None:
             raise Conflict("GPU offload is unavailable: no CUDA checkpoint support")
         self._set_state(KernelState.suspending)
         t0 = time.monotonic()
         try:
-            self._gpu_state = await gpu.offload(process_tree(self.pid), progress=self._gpu_progress)
+            result = await gpu.offload(process_tree(self.pid or 0), progress=self._gpu_progress)
+            if not result:
+                raise Conflict(f"Kernel {self.kernel_id} holds no GPU memory: nothing to offload")
         except BaseException as e:
-            self._set_state(KernelState.running, reason=str(e))
+            self._set_state(KernelState.running, reason=getattr(e, "message", None) or str(e))
             raise
+        self._gpu_state = dict(result)
         self.tier = "offload"
         self.suspended_at = time.time()
         self.last_suspend_seconds = time.monotonic() - t0
@@ -373,10 +382,9 @@ class CedanaProvisioner(LocalProvisioner):  # type: ignore[misc]
         self._set_state(KernelState.suspended)
         return self.summary()
 
-    def _gpu(self) -> Any:
+    async def _gpu(self) -> Any:
         """The CUDA checkpointer when GPU checkpointing is possible here, else None."""
-        getter = getattr(self.engine, "cuda", None)
-        return getter() if callable(getter) else None
+        return await self.engine.cuda_checkpointer()
 
     def _gpu_progress(self, phase: str, done: int | None, total: int | None) -> None:
         self._set_progress(phase, done, total)
@@ -387,15 +395,15 @@ class CedanaProvisioner(LocalProvisioner):  # type: ignore[misc]
         store = engine.store
         kid = self.kernel_id_str
         t0 = time.monotonic()
-        pids = process_tree(self.pid)
+        pids = process_tree(self.pid or 0)
         gpu_state = self._gpu_state if from_offload else None
-        gpu = self._gpu()
+        gpu = await self._gpu()
         if not from_offload and gpu is not None:
             gpu_state = await gpu.offload(pids, progress=self._gpu_progress) or None
         tmp = store.begin(kid)
         stopped = False
         try:
-            dump_s = await engine.dump(self.pid, tmp, progress=self._set_progress)
+            dump_s = await engine.dump(self.pid or 0, tmp, progress=self._set_progress)
             stopped = True
             self._set_progress("verify", None, None)
             manifest = await asyncio.to_thread(
@@ -417,7 +425,7 @@ class CedanaProvisioner(LocalProvisioner):  # type: ignore[misc]
                 self._continue(pids)
             if gpu_state is not None and gpu is not None and not from_offload:
                 with contextlib.suppress(Exception):
-                    await gpu.restore(gpu_state, None)
+                    await gpu.restore(gpu_state, None, admission=False)
                 gpu_state = None
             if isinstance(e, SuspendFailed | asyncio.CancelledError):
                 raise
@@ -474,6 +482,16 @@ class CedanaProvisioner(LocalProvisioner):  # type: ignore[misc]
         try:
             self._set_progress("verify", 0, self.checkpoint_bytes or None)
             manifest = await asyncio.to_thread(store.verify, kid)
+            gpu_state = manifest.get("gpu") or self._gpu_state
+            gpu, plan = await self._admit(gpu_state)
+        except InsufficientGpuMemory as e:
+            # Nothing was touched: the kernel stays suspended and a later resume may fit.
+            self._set_state(previous, reason=e.message)
+            raise
+        except BaseException as e:
+            self._fail_resume(kid, previous, e)
+            raise self._as_resume_error(kid, e) from e
+        try:
             images = store.path(kid)
             pidfile = images / "restored.pid"
             pidfile.unlink(missing_ok=True)
@@ -488,12 +506,12 @@ class CedanaProvisioner(LocalProvisioner):  # type: ignore[misc]
                     proc.kill()
                     proc.wait()
                 raise
-            gpu_state = manifest.get("gpu") or self._gpu_state
-            gpu = self._gpu()
             if gpu_state and gpu is not None:
                 self._set_progress("gpu-restore", None, None)
                 try:
-                    await gpu.restore(gpu_state, process_tree(pid))
+                    await gpu.restore(
+                        gpu_state, process_tree(pid), admission=plan, progress=self._gpu_progress
+                    )
                 except BaseException:
                     # The process is back but its GPU memory is not: it must not run on.
                     os.kill(pid, signal.SIGKILL)
@@ -501,17 +519,8 @@ class CedanaProvisioner(LocalProvisioner):  # type: ignore[misc]
                     raise
         except BaseException as e:
             self._reserve_ports()
-            reason = e.message if isinstance(e, ResumeFailed) else str(e)
-            if isinstance(e, CheckpointCorrupt):
-                self._set_state(KernelState.failed, reason=reason)
-            elif isinstance(e, asyncio.CancelledError):
-                self._set_state(previous, reason=reason)
-            else:
-                self._set_state(KernelState.failed, reason=reason)
-            self.log.error("Resume of kernel %s failed: %s", kid, reason)
-            if isinstance(e, ResumeFailed | asyncio.CancelledError):
-                raise
-            raise ResumeFailed(f"Resume of kernel {kid} failed: {e}") from e
+            self._fail_resume(kid, previous, e)
+            raise self._as_resume_error(kid, e) from e
         self.process = proc
         self.pid = pid
         self._gpu_state = None
@@ -525,16 +534,43 @@ class CedanaProvisioner(LocalProvisioner):  # type: ignore[misc]
         self.log.info("Resumed kernel %s in %.2f s (pid %s)", kid, self.last_resume_seconds, pid)
         return self.summary()
 
+    async def _admit(self, gpu_state: dict[str, Any] | None) -> tuple[Any, Any]:
+        """Restore admission, before anything is restored: the checkpointed GPU memory
+        must fit on a GPU of the same model (a restore that runs out can hang for good)."""
+        if not gpu_state:
+            return None, True
+        gpu = await self._gpu()
+        if gpu is None:
+            raise ResumeFailed(
+                "This checkpoint holds GPU memory, but GPU checkpointing is unavailable here: "
+                f"{self.engine.cuda_status()[1]}"
+            )
+        return gpu, await gpu.admit(gpu_state)
+
+    def _fail_resume(self, kid: str, previous: KernelState, e: BaseException) -> None:
+        reason = getattr(e, "message", None) or str(e) or type(e).__name__
+        if isinstance(e, asyncio.CancelledError):
+            self._set_state(previous, reason=reason)
+        else:
+            self._set_state(KernelState.failed, reason=reason)
+        self.log.error("Resume of kernel %s failed: %s", kid, reason)
+
+    @staticmethod
+    def _as_resume_error(kid: str, e: BaseException) -> BaseException:
+        if isinstance(e, CedanaError | asyncio.CancelledError):
+            return e
+        return ResumeFailed(f"Resume of kernel {kid} failed: {e}")
+
     async def _resume_offload(self) -> dict[str, Any]:
-        gpu = self._gpu()
+        gpu = await self._gpu()
         self._set_state(KernelState.resuming)
         t0 = time.monotonic()
         try:
             if gpu is None:
                 raise ResumeFailed("GPU checkpoint support went away")
-            await gpu.restore(self._gpu_state, process_tree(self.pid))
+            await gpu.restore(self._gpu_state, None, progress=self._gpu_progress)
         except BaseException as e:
-            self._set_state(KernelState.suspended, reason=str(e))
+            self._set_state(KernelState.suspended, reason=getattr(e, "message", None) or str(e))
             raise
         self._gpu_state = None
         self.tier = None

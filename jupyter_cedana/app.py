@@ -1,0 +1,136 @@
+"""The jupyter_server extension: wires the policy loop, the REST API, the message gate,
+events and metrics into the running server."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from jupyter_client.provisioning import KernelProvisionerFactory
+from jupyter_server.extension.application import ExtensionApp
+from jupyter_server.services.kernels.connection.channels import ZMQChannelsWebsocketConnection
+from traitlets import Bool, Unicode
+
+from .engine import CheckpointEngine
+from .gate import GatedWebsocketConnection, MessageGate
+from .handlers import handlers
+from .manager import EVENT_SCHEMA_FILE, SuspendManager
+from .policy import SuspendPolicy
+
+
+class CedanaApp(ExtensionApp):
+    """Suspend idle kernels (process and GPU memory) to disk; resume them on demand."""
+
+    name = "jupyter_cedana"
+    load_other_extensions = True
+
+    checkpoint_root = Unicode(
+        "",
+        help="Directory of checkpoint images; shorthand for CheckpointEngine.checkpoint_root "
+        "(empty: that option's default).",
+    ).tag(config=True)
+
+    transparent_resume = Bool(
+        True,
+        help="Hold messages sent to a suspended kernel, resume it, and deliver them once "
+        "its output channel is live. Needs the kernel websocket connection class; turn off "
+        "if another extension must own it (users then resume kernels explicitly).",
+    ).tag(config=True)
+
+    default_provisioner = Bool(
+        True,
+        help="Make cedana-provisioner the default provisioner of local kernels, unless "
+        "KernelProvisionerFactory.default_provisioner_name is configured. A kernelspec "
+        "opts out with metadata {'kernel_provisioner': {'provisioner_name': "
+        "'local-provisioner'}}.",
+    ).tag(config=True)
+
+    manager: SuspendManager | None = None
+
+    @property
+    def _server(self) -> Any:
+        assert self.serverapp is not None, "CedanaApp runs inside a jupyter server"
+        return self.serverapp
+
+    def _make_default_provisioner(self) -> None:
+        configured = self._server.config.get("KernelProvisionerFactory", {})
+        if "default_provisioner_name" in configured:
+            return
+        factory = KernelProvisionerFactory.instance(parent=self._server.kernel_manager)
+        factory.default_provisioner_name = "cedana-provisioner"
+
+    def initialize_settings(self) -> None:
+        engine = CheckpointEngine.instance(parent=self.serverapp)
+        if self.checkpoint_root:
+            engine.checkpoint_root = self.checkpoint_root
+        info = engine.probe()
+        if not info.available:
+            self.log.warning("jupyter-cedana: checkpointing unavailable: %s", info.reason)
+        policy = SuspendPolicy(parent=self.serverapp)
+        if self.default_provisioner:
+            self._make_default_provisioner()
+        gpu_monitor = engine.gpu_monitor()
+        if gpu_monitor is not None:
+            gpu_monitor.utilization_window = policy.gpu_utilization_window
+            if not gpu_monitor.available:
+                self.log.info("jupyter-cedana: GPU monitoring off: %s", gpu_monitor.reason)
+        event_logger = getattr(self.serverapp, "event_logger", None)
+        if event_logger is not None:
+            event_logger.register_event_schema(EVENT_SCHEMA_FILE)
+        self.manager = SuspendManager(
+            parent=self.serverapp,
+            kernel_manager=self._server.kernel_manager,
+            engine=engine,
+            policy=policy,
+            gpu_monitor=gpu_monitor,
+            event_logger=event_logger,
+        )
+        self.settings["cedana_manager"] = self.manager
+        if self.transparent_resume:
+            self._install_gate()
+        self._guard_culler()
+
+    def _install_gate(self) -> None:
+        serverapp = self._server
+        current = serverapp.web_app.settings.get(
+            "kernel_websocket_connection_class", serverapp.kernel_websocket_connection_class
+        )
+        if current is not ZMQChannelsWebsocketConnection and not (
+            isinstance(current, type) and issubclass(current, GatedWebsocketConnection)
+        ):
+            raise RuntimeError(
+                f"jupyter-cedana needs ServerApp.kernel_websocket_connection_class to hold "
+                f"messages for suspended kernels, but it is already {current!r} (set by "
+                "configuration or another extension). Set CedanaApp.transparent_resume=False "
+                "to run without transparent resume."
+            )
+        serverapp.kernel_websocket_connection_class = GatedWebsocketConnection
+        serverapp.web_app.settings["kernel_websocket_connection_class"] = GatedWebsocketConnection
+        self.settings["cedana_gate"] = MessageGate(self.manager, self.log)
+        serverapp.web_app.settings["cedana_gate"] = self.settings["cedana_gate"]
+
+    def _guard_culler(self) -> None:
+        """jupyter_server's culler must not shut down a suspended kernel before the
+        retention time ends."""
+        mkm = self._server.kernel_manager
+        original = mkm.cull_kernel_if_idle
+        manager = self.manager
+
+        async def cull_kernel_if_idle(kernel_id: str) -> Any:
+            if manager is not None and not manager.allows_cull(kernel_id):
+                return None
+            return await original(kernel_id)
+
+        mkm.cull_kernel_if_idle = cull_kernel_if_idle  # type: ignore[method-assign]
+
+    def initialize_handlers(self) -> None:
+        self.handlers.extend(handlers(""))
+
+    async def _start_jupyter_server_extension(self, serverapp: Any) -> None:
+        if self.manager is not None:
+            await self.manager.engine.cuda_checkpointer()
+            self.manager.start()
+
+    async def stop_extension(self) -> None:
+        if self.manager is not None:
+            await self.manager.stop()
+            await self.manager.engine.close()

@@ -1,0 +1,167 @@
+"""Suspend policy: when an idle kernel is suspended, and to which tier.
+
+Pure decisions over a snapshot of a kernel, so they can be tested without a server.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from traitlets import Bool, Float, Integer, List, Unicode
+from traitlets.config import LoggingConfigurable
+
+
+@dataclass
+class KernelFacts:
+    """What the policy looks at, gathered by the manager on each check."""
+
+    kernel_id: str
+    kernelspec: str
+    spec_metadata: dict[str, Any]
+    state: str  # provisioner state: running, suspended, ...
+    tier: str | None
+    execution_state: str
+    idle_seconds: float
+    connections: int
+    gpu_memory_bytes: int
+    gpu_idle: bool
+    keep_awake_seconds: float  # > 0 while a keep-awake is in force
+    suspended_seconds: float  # time since suspend, when suspended
+    managed: bool  # started by cedana-provisioner
+    extra_reasons: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Decision:
+    action: str | None  # "offload", "disk", "shutdown" or None
+    reason: str | None  # why it cannot be suspended, or why it is being acted on
+    due_in: float | None  # seconds until the next automatic action, if one is planned
+
+
+class SuspendPolicy(LoggingConfigurable):
+    """Idle timeouts, GPU thresholds, exclusions and retention for automatic suspend."""
+
+    idle_timeout = Float(
+        1800.0,
+        help="Seconds a kernel must be idle (no execution, no messages) before it is "
+        "suspended to disk. 0 disables automatic suspend; manual suspend still works. "
+        "A kernelspec may override it with metadata {'cedana': {'idle_timeout': N}}.",
+    ).tag(config=True)
+
+    offload_timeout = Float(
+        0.0,
+        help="Seconds of idleness after which a kernel holding GPU memory is offloaded: its "
+        "GPU memory is moved to host memory and the GPU freed while the process stays. "
+        "It goes to disk when idle_timeout is reached. 0 disables the offload tier.",
+    ).tag(config=True)
+
+    check_interval = Float(
+        30.0, help="Seconds between two checks of every kernel against the policy."
+    ).tag(config=True)
+
+    suspend_cpu_kernels = Bool(
+        True,
+        help="Also suspend idle kernels that hold no GPU memory (frees their host memory).",
+    ).tag(config=True)
+
+    min_gpu_memory = Integer(
+        0,
+        help="Bytes of GPU memory a kernel must hold to be worth suspending for its GPU; "
+        "kernels below it are treated like CPU kernels (see suspend_cpu_kernels).",
+    ).tag(config=True)
+
+    gpu_utilization_threshold = Float(
+        5.0,
+        help="A kernel is GPU-idle when the GPU utilisation of its processes stays under "
+        "this percentage for the whole gpu_utilization_window.",
+    ).tag(config=True)
+
+    gpu_utilization_window = Float(
+        300.0, help="Seconds over which GPU utilisation must stay under the threshold."
+    ).tag(config=True)
+
+    excluded_kernelspecs = List(
+        Unicode(),
+        help="Kernelspec names never suspended automatically (manual suspend still works).",
+    ).tag(config=True)
+
+    suspend_connected = Bool(
+        True,
+        help="Whether kernels with connected clients (open notebooks) may be suspended. "
+        "Resume is transparent, so this is on by default; jupyter_server's culler calls "
+        "the same idea cull_connected.",
+    ).tag(config=True)
+
+    max_checkpoint_bytes = Integer(
+        0,
+        help="Most bytes all checkpoint images together may use; a suspend that would go "
+        "over it is refused (the kernel keeps running). 0: no limit but the disk.",
+    ).tag(config=True)
+
+    retention = Float(
+        0.0,
+        help="Seconds a suspended kernel is kept; after that it is shut down and its image "
+        "deleted. 0 keeps it until the server stops or a user shuts it down.",
+    ).tag(config=True)
+
+    def idle_timeout_for(self, facts: KernelFacts) -> float:
+        meta = facts.spec_metadata.get("cedana") or {}
+        try:
+            return float(meta.get("idle_timeout", self.idle_timeout))
+        except (TypeError, ValueError):
+            return self.idle_timeout
+
+    def why_not(self, facts: KernelFacts) -> str | None:
+        """Why automatic suspend does not apply to this kernel at all, or None."""
+        if not facts.managed:
+            return "not started by cedana-provisioner (its kernelspec opts out)"
+        meta = facts.spec_metadata.get("cedana") or {}
+        if facts.kernelspec in self.excluded_kernelspecs or meta.get("exclude"):
+            return f"kernelspec {facts.kernelspec!r} is excluded by policy"
+        if self.idle_timeout_for(facts) <= 0 and self.offload_timeout <= 0:
+            return "automatic suspend is off (idle_timeout = 0)"
+        holds_gpu = facts.gpu_memory_bytes > 0 and facts.gpu_memory_bytes >= self.min_gpu_memory
+        if not holds_gpu and not self.suspend_cpu_kernels:
+            return "holds no GPU memory worth freeing (suspend_cpu_kernels is off)"
+        if facts.extra_reasons:
+            return "; ".join(facts.extra_reasons)
+        return None
+
+    def decide(self, facts: KernelFacts) -> Decision:
+        if facts.state == "suspended":
+            if facts.tier == "offload":
+                remaining = self.idle_timeout_for(facts) - facts.idle_seconds
+                if self.idle_timeout_for(facts) > 0 and remaining <= 0:
+                    return Decision("disk", "offloaded kernel reached idle_timeout", None)
+            if self.retention > 0:
+                left = self.retention - facts.suspended_seconds
+                if left <= 0:
+                    return Decision("shutdown", "retention time of a suspended kernel ended", 0)
+                return Decision(None, None, left)
+            return Decision(None, None, None)
+        if facts.state != "running":
+            return Decision(None, None, None)
+        why = self.why_not(facts)
+        if why:
+            return Decision(None, why, None)
+        # Everything below is a postponement, not a refusal: the kernel is suspendable.
+        wait = max(0.0, facts.keep_awake_seconds)
+        timeout = self.idle_timeout_for(facts)
+        holds_gpu = facts.gpu_memory_bytes > 0 and facts.gpu_memory_bytes >= self.min_gpu_memory
+        tier, limit = "disk", timeout
+        offload_first = timeout <= 0 or self.offload_timeout < timeout
+        if holds_gpu and self.offload_timeout > 0 and offload_first:
+            tier, limit = "offload", self.offload_timeout
+        if limit <= 0:
+            return Decision(None, None, None)
+        wait = max(wait, limit - facts.idle_seconds)
+        if facts.execution_state not in ("idle",):
+            return Decision(None, None, None)
+        if facts.connections and not self.suspend_connected:
+            return Decision(None, "has connected clients (suspend_connected is off)", None)
+        if holds_gpu and not facts.gpu_idle:
+            return Decision(None, None, None)
+        if wait > 0:
+            return Decision(None, None, wait)
+        return Decision(tier, f"idle for {facts.idle_seconds:.0f} s", 0)
