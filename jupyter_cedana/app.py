@@ -90,9 +90,10 @@ class CedanaApp(ExtensionApp):
         self._guard_culler()
 
     def _install_gate(self) -> None:
-        serverapp = self._server
-        current = serverapp.web_app.settings.get(
-            "kernel_websocket_connection_class", serverapp.kernel_websocket_connection_class
+        # ExtensionApp copies the server's settings into self.settings before
+        # initialize_settings and writes them all back after it: change them here.
+        current = self.settings.get(
+            "kernel_websocket_connection_class", self._server.kernel_websocket_connection_class
         )
         if current is not ZMQChannelsWebsocketConnection and not (
             isinstance(current, type) and issubclass(current, GatedWebsocketConnection)
@@ -103,10 +104,9 @@ class CedanaApp(ExtensionApp):
                 "configuration or another extension). Set CedanaApp.transparent_resume=False "
                 "to run without transparent resume."
             )
-        serverapp.kernel_websocket_connection_class = GatedWebsocketConnection
-        serverapp.web_app.settings["kernel_websocket_connection_class"] = GatedWebsocketConnection
+        self._server.kernel_websocket_connection_class = GatedWebsocketConnection
+        self.settings["kernel_websocket_connection_class"] = GatedWebsocketConnection
         self.settings["cedana_gate"] = MessageGate(self.manager, self.log)
-        serverapp.web_app.settings["cedana_gate"] = self.settings["cedana_gate"]
 
     def _guard_culler(self) -> None:
         """jupyter_server's culler must not shut down a suspended kernel before the

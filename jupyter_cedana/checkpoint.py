@@ -168,10 +168,36 @@ class CheckpointStore:
                 )
         return manifest
 
+    def work_dir(self, kernel_id: str) -> Path:
+        """CRIU's logs and statistics of a restore: kept out of the image directory, which
+        is deleted while the restored kernel (and CRIU) still run."""
+        work = self.ensure_root() / ".work" / validate_kernel_id(kernel_id)
+        work.mkdir(mode=0o700, parents=True, exist_ok=True)
+        os.chmod(work.parent, 0o700)
+        return work
+
+    def detach_image(self, kernel_id: str) -> Path | None:
+        """Rename an image out of the way (instant); deleting gigabytes can follow later."""
+        path = self.path(kernel_id)
+        if not path.exists():
+            return None
+        doomed = self.root / f".{kernel_id}.del-{time.monotonic_ns()}"
+        try:
+            os.rename(path, doomed)
+        except OSError:
+            return path
+        return doomed
+
+    def remove_image(self, kernel_id: str) -> None:
+        doomed = self.detach_image(kernel_id)
+        if doomed is not None:
+            shutil.rmtree(doomed, ignore_errors=True)
+
     def remove(self, kernel_id: str) -> None:
-        shutil.rmtree(self.path(kernel_id), ignore_errors=True)
-        log = self.root / ".logs" / f"{kernel_id}.log"
-        log.unlink(missing_ok=True)
+        """Delete everything of a kernel that is gone: image, log and CRIU work files."""
+        self.remove_image(kernel_id)
+        (self.root / ".logs" / f"{kernel_id}.log").unlink(missing_ok=True)
+        shutil.rmtree(self.root / ".work" / kernel_id, ignore_errors=True)
 
     def kernel_ids(self) -> list[str]:
         if not self.root.is_dir():
@@ -181,9 +207,19 @@ class CheckpointStore:
         )
 
     def stale_temporaries(self) -> list[Path]:
+        """Partial dumps and deletions whose server process is gone (a live server may be
+        writing one right now)."""
         if not self.root.is_dir():
             return []
-        return [p for p in self.root.iterdir() if p.name.startswith(".") and ".tmp-" in p.name]
+        stale = []
+        for p in self.root.iterdir():
+            m = re.match(r"^\.[A-Za-z0-9_-]+\.(?:tmp-(\d+)-\d+|del-\d+)$", p.name)
+            if not m:
+                continue
+            pid = int(m.group(1)) if m.group(1) else None
+            if pid is None or not os.path.exists(f"/proc/{pid}"):
+                stale.append(p)
+        return stale
 
     def size_of(self, kernel_id: str) -> int:
         try:

@@ -300,6 +300,8 @@ class CheckpointEngine(SingletonConfigurable):
             "--ghost-limit",
             str(self.ghost_limit),
             "--file-locks",
+            # A client connecting to a kernel port mid-dump must not fail the dump.
+            "--skip-in-flight",
             *self.extra_dump_args,
         ]
         self.log.debug("running %s", " ".join(cmd))
@@ -335,7 +337,7 @@ class CheckpointEngine(SingletonConfigurable):
             )
         return time.monotonic() - t0
 
-    def start_restore(self, images: Path, pidfile: Path) -> subprocess.Popen[bytes]:
+    def start_restore(self, images: Path, work: Path, pidfile: Path) -> subprocess.Popen[bytes]:
         """Start `criu restore` in the foreground: it stays as the restored tree's parent
         (reaping it, so the kernel never lingers as a zombie) and exits when the tree does."""
         info = self.require()
@@ -344,6 +346,8 @@ class CheckpointEngine(SingletonConfigurable):
             "restore",
             "-D",
             str(images),
+            "-W",
+            str(work),
             "-o",
             "restore.log",
             "-v4",
@@ -365,7 +369,7 @@ class CheckpointEngine(SingletonConfigurable):
     async def wait_restored(
         self,
         proc: subprocess.Popen[bytes],
-        images: Path,
+        work: Path,
         pidfile: Path,
         expected: int,
         progress: ProgressCallback | None = None,
@@ -383,7 +387,7 @@ class CheckpointEngine(SingletonConfigurable):
             if rc is not None:
                 # Let CRIU's own message explain; the image is left untouched.
                 raise ResumeFailed(
-                    f"CRIU restore failed (exit {rc}): {criu_errors(images / 'restore.log')}"
+                    f"CRIU restore failed (exit {rc}): {criu_errors(work / 'restore.log')}"
                 )
             if time.monotonic() - t0 > self.restore_timeout:
                 proc.kill()

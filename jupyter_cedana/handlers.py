@@ -23,6 +23,9 @@ class CedanaHandler(APIHandler):
     # Same permission as jupyter_server's kernel API: whoever may use kernels may
     # suspend them.
     auth_resource = "kernels"
+    # Watching, suspending and resuming kernels is not user activity: a JupyterHub must
+    # be able to cull a server whose kernels are all suspended.
+    _track_activity = False
 
     @property
     def manager(self) -> SuspendManager:
@@ -116,6 +119,8 @@ class ResumeHandler(TransitionHandler):
 
 
 class KeepAwakeHandler(CedanaHandler):
+    _track_activity = True  # a person asked to keep working with this kernel
+
     @web.authenticated
     @authorized
     async def post(self, kernel_id: str) -> None:

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
+import inspect
 import os
 import time
 from collections.abc import AsyncIterator
@@ -12,11 +15,42 @@ from typing import Any
 import pytest
 from jupyter_client.manager import AsyncKernelManager
 from jupyter_client.provisioning import KernelProvisionerFactory
+from jupyter_core.utils import ensure_event_loop
 from traitlets.config import Config
 
 from jupyter_cedana.engine import CheckpointEngine
 
 pytest_plugins = ["pytest_jupyter.jupyter_server"]
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_fixture_setup(fixturedef: Any, request: Any) -> None:
+    """Run `async def` fixtures on pytest-jupyter's event loop, the loop its server and
+    async tests use (a second asyncio plugin would run them on another loop)."""
+    func = fixturedef.func
+    if getattr(func, "_on_jp_loop", False):
+        return
+    if inspect.isasyncgenfunction(func):
+
+        @functools.wraps(func)
+        def agen_wrapper(*args: Any, **kwargs: Any) -> Any:
+            loop = ensure_event_loop(prefer_selector_loop=True)
+            gen = func(*args, **kwargs)
+            yield loop.run_until_complete(gen.__anext__())
+            with contextlib.suppress(StopAsyncIteration):
+                loop.run_until_complete(gen.__anext__())
+
+        agen_wrapper._on_jp_loop = True  # type: ignore[attr-defined]
+        fixturedef.func = agen_wrapper
+    elif inspect.iscoroutinefunction(func):
+
+        @functools.wraps(func)
+        def coro_wrapper(*args: Any, **kwargs: Any) -> Any:
+            loop = ensure_event_loop(prefer_selector_loop=True)
+            return loop.run_until_complete(func(*args, **kwargs))
+
+        coro_wrapper._on_jp_loop = True  # type: ignore[attr-defined]
+        fixturedef.func = coro_wrapper
 
 
 @pytest.fixture
