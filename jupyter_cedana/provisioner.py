@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import enum
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -29,6 +30,7 @@ from .errors import (
     CedanaError,
     Conflict,
     InsufficientGpuMemory,
+    NotCheckpointable,
     ResumeFailed,
     SuspendFailed,
 )
@@ -79,6 +81,7 @@ class CedanaProvisioner(LocalProvisioner):  # type: ignore[misc]
         self._reserved: list[socket.socket] = []
         self._listeners: list[Listener] = []
         self._gpu_state: dict[str, Any] | None = None
+        self._chores: set[asyncio.Future[Any]] = set()
 
     # -- plumbing -------------------------------------------------------------------------
 
@@ -179,11 +182,26 @@ class CedanaProvisioner(LocalProvisioner):  # type: ignore[misc]
         return self.process is not None or self.holds_image
 
     async def poll(self) -> int | None:
+        if self._offloaded_process_died():
+            return self.process.poll() if self.process is not None else 0
         if self.state != KernelState.running or self.holds_image:
             return None
         if self.process is not None:
             return self.process.poll()
         return 0
+
+    def _offloaded_process_died(self) -> bool:
+        """An offloaded kernel keeps its process; when that dies the kernel is dead (there
+        is no image to resume from), and poll() must say so for the restarter."""
+        if self.tier != "offload" or self.state != KernelState.suspended:
+            return False
+        if self.process is None or self.process.poll() is None:
+            return False
+        self.log.warning("Offloaded kernel %s exited", self.kernel_id)
+        self._gpu_state = None
+        self.tier = None
+        self._set_state(KernelState.running, reason="the offloaded kernel's process exited")
+        return True
 
     async def wait(self) -> int | None:
         while await self.poll() is None:
@@ -237,9 +255,16 @@ class CedanaProvisioner(LocalProvisioner):  # type: ignore[misc]
         if self.state == KernelState.running or self._inflight is not None:
             return False
         self.log.info("Discarding the checkpoint of kernel %s", self.kernel_id)
+        if self.tier == "offload" and self.pid:
+            # An offloaded kernel keeps its process (GPU memory moved into host memory).
+            self._kill_stopped(process_tree(self.pid))
+            if self.process is not None:
+                with contextlib.suppress(Exception):
+                    self.process.wait(10)
         self.engine.store.remove(self.kernel_id_str)
         self._release_ports()
         self.process = None
+        self._gpu_state = None
         self.tier = None
         self.checkpoint_bytes = 0
         self._set_state(KernelState.running)
@@ -350,11 +375,10 @@ class CedanaProvisioner(LocalProvisioner):  # type: ignore[misc]
         if tier == "offload":
             return await self._offload()
         previous = self.state
-        if previous == KernelState.suspended:  # offloaded → disk
-            return await self._dump(from_offload=True)
+        from_offload = previous == KernelState.suspended  # offloaded → disk
         self._set_state(KernelState.suspending)
         try:
-            return await self._dump(from_offload=False)
+            return await self._dump(from_offload=from_offload)
         except BaseException as e:
             if self.state == KernelState.suspending:
                 self._set_state(previous, reason=getattr(e, "message", None) or str(e))
@@ -363,7 +387,8 @@ class CedanaProvisioner(LocalProvisioner):  # type: ignore[misc]
     async def _offload(self) -> dict[str, Any]:
         gpu = await self._gpu()
         if gpu is None:
-            raise Conflict("GPU offload is unavailable: no CUDA checkpoint support")
+            why = self.engine.cuda_status()[1] if self.engine.gpu else "CheckpointEngine.gpu is off"
+            raise Conflict(f"GPU offload is unavailable: {why or 'no CUDA checkpoint support'}")
         self._set_state(KernelState.suspending)
         t0 = time.monotonic()
         try:
@@ -386,6 +411,16 @@ class CedanaProvisioner(LocalProvisioner):  # type: ignore[misc]
         """The CUDA checkpointer when GPU checkpointing is possible here, else None."""
         return await self.engine.cuda_checkpointer()
 
+    def _refuse_unsaved_gpu_memory(self, pids: set[int]) -> None:
+        """Without CUDA checkpointing, a kernel holding GPU memory must not be dumped: the
+        image would lack its GPU memory (preflight: e.g. a driver older than r570)."""
+        monitor = self.engine.gpu_monitor()
+        if monitor is not None and monitor.available and monitor.usage(pids):
+            raise NotCheckpointable(
+                "The kernel holds GPU memory but CUDA checkpointing is unavailable: "
+                f"{self.engine.cuda_status()[1]}"
+            )
+
     def _gpu_progress(self, phase: str, done: int | None, total: int | None) -> None:
         self._set_progress(phase, done, total)
 
@@ -400,6 +435,8 @@ class CedanaProvisioner(LocalProvisioner):  # type: ignore[misc]
         gpu = await self._gpu()
         if not from_offload and gpu is not None:
             gpu_state = await gpu.offload(pids, progress=self._gpu_progress) or None
+        elif not from_offload:
+            self._refuse_unsaved_gpu_memory(pids)
         tmp = store.begin(kid)
         stopped = False
         try:
@@ -493,13 +530,14 @@ class CedanaProvisioner(LocalProvisioner):  # type: ignore[misc]
             raise self._as_resume_error(kid, e) from e
         try:
             images = store.path(kid)
-            pidfile = images / "restored.pid"
+            work = store.work_dir(kid)
+            pidfile = work / "restored.pid"
             pidfile.unlink(missing_ok=True)
             self._release_ports()
-            proc = engine.start_restore(images, pidfile)
+            proc = engine.start_restore(images, work, pidfile)
             try:
                 pid = await engine.wait_restored(
-                    proc, images, pidfile, int(manifest["total_bytes"]), self._set_progress
+                    proc, work, pidfile, int(manifest["total_bytes"]), self._set_progress
                 )
             except BaseException:
                 if proc.poll() is None:
@@ -526,13 +564,21 @@ class CedanaProvisioner(LocalProvisioner):  # type: ignore[misc]
         self._gpu_state = None
         self.last_resume_seconds = time.monotonic() - t0
         if not engine.keep_image_after_resume:
-            store.remove(kid)
+            # The kernel runs already; gigabytes of deletion need not delay its first output.
+            doomed = store.detach_image(kid)
+            if doomed is not None:
+                self._background(asyncio.to_thread(shutil.rmtree, doomed, True))
             self.checkpoint_bytes = 0
         self.tier = None
         self.suspended_at = None
         self._set_state(KernelState.running)
         self.log.info("Resumed kernel %s in %.2f s (pid %s)", kid, self.last_resume_seconds, pid)
         return self.summary()
+
+    def _background(self, work: Awaitable[Any]) -> None:
+        task = asyncio.ensure_future(work)
+        self._chores.add(task)
+        task.add_done_callback(self._chores.discard)
 
     async def _admit(self, gpu_state: dict[str, Any] | None) -> tuple[Any, Any]:
         """Restore admission, before anything is restored: the checkpointed GPU memory

@@ -137,6 +137,35 @@ class FakeGpu:
     def clear_log(self) -> None:
         self.log_path.unlink(missing_ok=True)
 
+    def proc_by_id(self, gpu_id: str) -> dict[str, str]:
+        """The record of the process marked CEDANA_FAKE_GPU_ID=gpu_id (its pid follows
+        the process across a CRIU restore; see tests/fakes/fakegpu_state.h)."""
+        for _, rec in self.records("proc"):
+            if rec.get("id") == gpu_id:
+                return rec
+        raise KeyError(gpu_id)
+
+    def mark(self, text: str) -> None:
+        """Append `test TEXT` to the call log, to order test events among driver calls."""
+        with open(self.log_path, "a") as f:
+            f.write(f"test {text}\n")
+
+    def timeline(self) -> list[str]:
+        """Checkpoint-API operations (as in ops(), without get_state) and test marks, in
+        the order they happened."""
+        if not self.log_path.exists():
+            return []
+        out = []
+        for line in self.log_path.read_text().splitlines():
+            kind, _, rest = line.partition(" ")
+            if kind == "test":
+                out.append(rest)
+            elif kind == "cuda":
+                op, _, args = rest.partition(" ")
+                if op not in ("init", "get_state"):
+                    out.append(op if " rc=0" in f" {args}" else f"{op}!")
+        return out
+
 
 def _line(kind: str, kv: dict[str, Any]) -> str:
     parts = [kind, *(f"{k}={v}" for k, v in kv.items() if k != "name")]
@@ -190,6 +219,15 @@ def spawn() -> Iterator[Callable[..., subprocess.Popen[bytes]]]:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(p.pid, signal.SIGKILL)
         p.wait()
+
+
+def nspid(pid: int) -> int:
+    """The innermost PID-namespace pid of `pid` (last field of NSpid)."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("NSpid:"):
+                return int(line.split()[-1])
+    raise LookupError(pid)
 
 
 def wait_for(pred: Callable[[], Any], timeout: float = 5.0) -> Any:

@@ -116,7 +116,7 @@ async def test_suspend_twice_and_resume_twice(kernel) -> None:
         await kernel.provisioner.suspend()
         await kernel.provisioner.resume()
         await wait_iopub(kc)
-        reply, out = await run(kc, "n += 1; print(n)")
+        _reply, out = await run(kc, "n += 1; print(n)")
         assert out.strip() == str(k + 2)
 
 
@@ -207,7 +207,7 @@ async def test_restart_of_suspended_kernel_starts_fresh(kernel, checkpoint_root:
     assert not (checkpoint_root / kernel.kernel_id).exists()
     await kc.wait_for_ready(timeout=60)
     await wait_iopub(kc)
-    reply, out = await run(kc, "print('x' in dir())")
+    _reply, out = await run(kc, "print('x' in dir())")
     assert out.strip() == "False"
 
 

@@ -164,10 +164,7 @@ static CUresult run_op(const char *op, int pid, step_fn step, void *arg)
 	}
 	if (fg_load(&s, &fd) != 0)
 		return CUDA_ERROR_NOT_INITIALIZED;
-	struct fg_proc *p = NULL;
-	for (int i = 0; i < s.nproc; i++)
-		if (s.proc[i].pid == pid)
-			p = &s.proc[i];
+	struct fg_proc *p = pid > 0 ? fg_find_proc(&s, pid) : NULL;
 	struct fg_err *e = fg_find_err(&s, op, pid, 0);
 	if (pid <= 0 || kill(pid, 0) != 0 || !p) {
 		/* not a live CUDA process: what the driver answers for such pids */

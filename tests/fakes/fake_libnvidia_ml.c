@@ -46,6 +46,8 @@ typedef struct {
 	unsigned int smUtil, memUtil, encUtil, decUtil;
 } nvmlProcessUtilizationSample_t;
 
+/* Like the real NVML, init/shutdown are reference counted: a library in one process
+ * (e.g. the GPU monitor) stays initialised when another user shuts its own session. */
 static int inited;
 
 /* Load the state; apply an injected nvml_error for `fn`. Returns NVML_SUCCESS or an error. */
@@ -74,7 +76,7 @@ static nvmlReturn_t init_common(const char *fn)
 		e = fg_find_err(&s, "nvmlInit", 0, 1);
 	if (e)
 		return e->code;
-	inited = 1;
+	inited++;
 	return NVML_SUCCESS;
 }
 
@@ -89,7 +91,8 @@ nvmlReturn_t nvmlInit(void) { return init_common("nvmlInit"); }
 
 nvmlReturn_t nvmlShutdown(void)
 {
-	inited = 0;
+	if (inited > 0)
+		inited--;
 	return NVML_SUCCESS;
 }
 

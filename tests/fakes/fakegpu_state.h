@@ -13,12 +13,27 @@
  *          mem_util=0 name=NVIDIA H100 80GB HBM3
  *   proc pid=HOSTPID dev=0 mem=BYTES state=running|locked|checkpointed|failed
  *        nvml_pid=PID (as NVML reports it, default = pid) mps=0 stuck=0
+ *        id=TAG nspid=N (optional: an identity that survives a CRIU restore, below)
  *   util pid=NVMLPID dev=0 sm=PERCENT mem=PERCENT
  *   error op=lock|checkpoint|restore|unlock|get_state|init pid=PID|0 code=CUresult
  *         times=N (-1: always) fail_state=failed (optional: state after failing)
  *   nvml_error fn=nvmlDeviceGetProcessUtilization code=NVML_ERROR
  *
  * Calls are appended to $CEDANA_FAKE_GPU_STATE.log (`cuda OP pid=N rc=N ...`).
+ *
+ * Process identity across a CRIU restore. The real driver keeps a process's
+ * checkpoint state inside that process's memory, so CRIU carries it along and a
+ * restored process with a NEW host pid is still "the checkpointed process". The
+ * fake keeps its state in the file instead, so a record may name its process by
+ * what CRIU also restores: `id=TAG nspid=N` matches a live process whose initial
+ * environment (/proc/PID/environ, part of the process memory CRIU restores)
+ * holds CEDANA_FAKE_GPU_ID=TAG and whose innermost PID-namespace pid (last
+ * field of NSpid in /proc/PID/status, kept by CRIU's pidns restore) is N. A
+ * record with an id matches ONLY that way (never by a stale pid that the kernel
+ * may have handed to another process); when it matches, the fake libcuda moves
+ * the record's pid (and nvml_pid, when it followed pid) to the caller's pid and
+ * writes that back, so the fake NVML then reports the process under its new pid.
+ * Records without an id match by `pid` alone.
  */
 #ifndef FAKEGPU_STATE_H
 #define FAKEGPU_STATE_H
@@ -50,6 +65,8 @@ struct fg_dev {
 struct fg_proc {
 	int pid, nvml_pid, dev, state, mps, stuck;
 	unsigned long long mem;
+	char id[64]; /* CEDANA_FAKE_GPU_ID of the process ("" = match by pid) */
+	int nspid;   /* its innermost namespace pid, with id */
 };
 
 struct fg_util {
@@ -170,6 +187,8 @@ static __attribute__((unused)) void fg_parse_line(struct fg_state *s, char *line
 			else if (strcmp(k, "state") == 0) p->state = fg_parse_state(v);
 			else if (strcmp(k, "mps") == 0) p->mps = (int)n;
 			else if (strcmp(k, "stuck") == 0) p->stuck = (int)n;
+			else if (strcmp(k, "id") == 0) snprintf(p->id, sizeof(p->id), "%s", v);
+			else if (strcmp(k, "nspid") == 0) p->nspid = (int)n;
 		} else if (u) {
 			if (strcmp(k, "pid") == 0) u->pid = (int)n;
 			else if (strcmp(k, "dev") == 0) u->dev = (int)n;
@@ -248,9 +267,12 @@ static __attribute__((unused)) void fg_save(const struct fg_state *s, int fd)
 				const struct fg_proc *p = &s->proc[i];
 				fprintf(f,
 					"proc pid=%d nvml_pid=%d dev=%d mem=%llu state=%s mps=%d "
-					"stuck=%d\n",
+					"stuck=%d",
 					p->pid, p->nvml_pid, p->dev, p->mem, fg_state_names[p->state],
 					p->mps, p->stuck);
+				if (p->id[0])
+					fprintf(f, " id=%s nspid=%d", p->id, p->nspid);
+				fputc('\n', f);
 			}
 			for (int i = 0; i < s->nutil; i++)
 				fprintf(f, "util pid=%d dev=%d sm=%d mem=%d\n", s->util[i].pid,
@@ -293,6 +315,67 @@ static __attribute__((unused)) struct fg_dev *fg_dev_by_index(struct fg_state *s
 	for (int i = 0; i < s->ndev; i++)
 		if (s->dev[i].index == index)
 			return &s->dev[i];
+	return NULL;
+}
+
+/* CEDANA_FAKE_GPU_ID of a live process ("" if none) and its innermost NSpid (0 if unknown). */
+static __attribute__((unused)) void fg_identity(int pid, char *id, size_t cap, int *nspid)
+{
+	char path[64], buf[1 << 16];
+	id[0] = 0;
+	*nspid = 0;
+	snprintf(path, sizeof(path), "/proc/%d/environ", pid);
+	int fd = open(path, O_RDONLY);
+	if (fd >= 0) {
+		ssize_t n = read(fd, buf, sizeof(buf) - 1);
+		close(fd);
+		const char *key = "CEDANA_FAKE_GPU_ID=";
+		buf[n > 0 ? n : 0] = 0;
+		for (ssize_t i = 0; i < n; i += (ssize_t)strlen(buf + i) + 1) {
+			if (strncmp(buf + i, key, strlen(key)) == 0) {
+				snprintf(id, cap, "%s", buf + i + strlen(key));
+				break;
+			}
+		}
+	}
+	snprintf(path, sizeof(path), "/proc/%d/status", pid);
+	FILE *f = fopen(path, "r");
+	if (!f)
+		return;
+	char line[512];
+	while (fgets(line, sizeof(line), f))
+		if (strncmp(line, "NSpid:", 6) == 0) {
+			char *last = NULL, *tok = strtok(line + 6, " \t\n");
+			for (; tok; tok = strtok(NULL, " \t\n"))
+				last = tok;
+			if (last)
+				*nspid = atoi(last);
+		}
+	fclose(f);
+}
+
+/* The record of the process `pid` is (see "Process identity" above), or NULL. A match
+ * through id/nspid rebinds the record to `pid` (the caller saves the state). */
+static __attribute__((unused)) struct fg_proc *fg_find_proc(struct fg_state *s, int pid)
+{
+	char id[64];
+	int nspid = -1;
+	for (int i = 0; i < s->nproc; i++) {
+		struct fg_proc *p = &s->proc[i];
+		if (!p->id[0]) {
+			if (p->pid == pid)
+				return p;
+			continue;
+		}
+		if (nspid < 0)
+			fg_identity(pid, id, sizeof(id), &nspid);
+		if (id[0] && strcmp(id, p->id) == 0 && nspid == p->nspid) {
+			if (p->nvml_pid == p->pid)
+				p->nvml_pid = pid;
+			p->pid = pid;
+			return p;
+		}
+	}
 	return NULL;
 }
 
