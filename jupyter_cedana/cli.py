@@ -1,0 +1,828 @@
+"""`jupyter cedana`: list, suspend and resume the kernels of a running Jupyter server, and
+remove checkpoint images that no kernel owns.
+
+The server is found the way `jupyter server list` finds it (the `jpserver-*.json` files
+in the Jupyter runtime directory), or given with `--url` and `--token`. Requests go to
+the REST API under /api/cedana (docs/rest-api.yaml) with the server's token, through the
+standard library's HTTP client. Requests carry `no_track_activity`, so that using this
+tool does not count as user activity on the server (a JupyterHub may still cull it).
+
+Exit status: 0 success, 1 other error, 2 usage, 3 no (usable) server, 4 kernel not found,
+5 conflict with the kernel's state, 6 checkpointing unavailable, 7 not authorized.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime as dt
+import ipaddress
+import json
+import os
+import re
+import shutil
+import sys
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NoReturn
+
+from ._version import __version__
+from .checkpoint import _ID_RE, MANIFEST, CheckpointStore
+
+EXIT_OK = 0
+EXIT_ERROR = 1
+EXIT_USAGE = 2
+EXIT_NO_SERVER = 3
+EXIT_NOT_FOUND = 4
+EXIT_CONFLICT = 5
+EXIT_UNAVAILABLE = 6
+EXIT_AUTH = 7
+
+_STATUS_EXIT = {
+    400: EXIT_USAGE,
+    401: EXIT_AUTH,
+    403: EXIT_AUTH,
+    404: EXIT_NOT_FOUND,
+    409: EXIT_CONFLICT,
+    503: EXIT_UNAVAILABLE,
+}
+
+#: Leftover logs and pid files younger than this are left alone by `gc`: they may belong
+#: to a kernel that is starting and not yet listed by its server.
+GC_MIN_AGE = 600.0
+
+_TMP_RE = re.compile(r"^\.(?P<kid>[A-Za-z0-9][A-Za-z0-9_-]*)\.tmp-(?P<pid>\d+)-\d+$")
+_PIDFILE_RE = re.compile(r"^\.(?P<kid>[A-Za-z0-9][A-Za-z0-9_-]*)\.pid$")
+
+
+class CliError(Exception):
+    """An error reported to the user as one message and an exit status."""
+
+    def __init__(self, message: str, exit_code: int = EXIT_ERROR, code: str = "error"):
+        super().__init__(message)
+        self.message = message
+        self.exit_code = exit_code
+        self.code = code
+
+
+class ApiError(CliError):
+    """The server answered with an error ({code, message})."""
+
+    def __init__(self, status: int, code: str, message: str):
+        super().__init__(message, _STATUS_EXIT.get(status, EXIT_ERROR), code)
+        self.status = status
+
+
+# -- finding the server -------------------------------------------------------------------
+
+
+@dataclass
+class Server:
+    url: str
+    token: str = ""
+    pid: int | None = None
+    root_dir: str | None = None
+
+    @property
+    def label(self) -> str:
+        return f"{self.url} (pid {self.pid})" if self.pid else self.url
+
+
+def running_servers(runtime_dir: str | None = None) -> list[Server]:
+    """Running Jupyter servers, as `jupyter server list` sees them (oldest first)."""
+    from jupyter_server.serverapp import list_running_servers
+
+    servers = []
+    for info in list_running_servers(runtime_dir):
+        url = str(info.get("url") or "")
+        if info.get("sock") and not url.startswith(("http://", "https://")):
+            # Reachable only through a Unix socket, which urllib cannot speak.
+            url = ""
+        servers.append(
+            Server(
+                url=url,
+                token=str(info.get("token") or ""),
+                pid=info.get("pid"),
+                root_dir=info.get("root_dir"),
+            )
+        )
+    servers.sort(key=lambda s: s.pid or 0)
+    return servers
+
+
+def _same_url(a: str, b: str) -> bool:
+    return a.rstrip("/") == b.rstrip("/")
+
+
+def find_server(url: str | None, token: str | None) -> Server:
+    """The server to talk to: --url (with --token, or the token of the running server at
+    that URL, or $JUPYTER_TOKEN), else the first running server."""
+    if url:
+        if not url.startswith(("http://", "https://")):
+            raise CliError(f"--url must be an http:// or https:// URL, not {url!r}", EXIT_USAGE)
+        if token is None:
+            for s in running_servers():
+                if s.url and _same_url(s.url, url):
+                    return Server(url=url, token=s.token, pid=s.pid, root_dir=s.root_dir)
+            token = os.environ.get("JUPYTER_TOKEN", "")
+        return Server(url=url, token=token)
+    servers = running_servers()
+    usable = [s for s in servers if s.url]
+    if not usable:
+        from jupyter_core.paths import jupyter_runtime_dir
+
+        if servers:
+            raise CliError(
+                "The running Jupyter server listens only on a Unix socket, which this "
+                "command cannot use; pass --url and --token of an HTTP server.",
+                EXIT_NO_SERVER,
+                "no_server",
+            )
+        raise CliError(
+            f"No running Jupyter server found (looked in {jupyter_runtime_dir()}). "
+            "Start one, or pass --url and --token.",
+            EXIT_NO_SERVER,
+            "no_server",
+        )
+    server = usable[0]
+    if token is not None:
+        server.token = token
+    if len(usable) > 1:
+        print(
+            f"note: {len(usable)} Jupyter servers are running; using {server.label} "
+            "(choose another with --url)",
+            file=sys.stderr,
+        )
+    return server
+
+
+# -- HTTP ---------------------------------------------------------------------------------
+
+
+def _is_loopback(host: str | None) -> bool:
+    if not host:
+        return False
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+class Client:
+    """The /api/cedana REST API of one server."""
+
+    def __init__(self, server: Server, timeout: float = 30.0):
+        self.server = server
+        self.timeout = timeout
+        base = server.url if server.url.endswith("/") else server.url + "/"
+        self.base = urllib.parse.urljoin(base, "api/cedana/")
+        host = urllib.parse.urlsplit(self.base).hostname
+        # A proxy from the environment must not see requests to a local server (or its token).
+        handlers = [urllib.request.ProxyHandler({})] if _is_loopback(host) else []
+        self._opener = urllib.request.build_opener(*handlers)
+
+    def request(
+        self,
+        method: str,
+        path: str,
+        *,
+        query: dict[str, str] | None = None,
+        body: Any = None,
+        timeout: float | None = None,
+    ) -> tuple[int, Any]:
+        params = {**(query or {}), "no_track_activity": "1"}
+        url = urllib.parse.urljoin(self.base, path) + "?" + urllib.parse.urlencode(params)
+        headers = {"Accept": "application/json"}
+        if self.server.token:
+            headers["Authorization"] = f"token {self.server.token}"
+        data = None
+        if method != "GET":
+            data = json.dumps(body if body is not None else {}).encode()
+            headers["Content-Type"] = "application/json"
+        req = urllib.request.Request(url, data=data, method=method, headers=headers)
+        try:
+            with self._opener.open(req, timeout=timeout or self.timeout) as resp:
+                raw = resp.read()
+                return resp.status, json.loads(raw) if raw else None
+        except urllib.error.HTTPError as e:
+            raise self._api_error(e) from None
+        except urllib.error.URLError as e:
+            raise CliError(
+                f"Cannot reach the Jupyter server at {self.server.url}: {e.reason}",
+                EXIT_NO_SERVER,
+                "no_server",
+            ) from None
+        except (TimeoutError, OSError) as e:
+            raise CliError(
+                f"No answer from the Jupyter server at {self.server.url}: {e}",
+                EXIT_NO_SERVER,
+                "no_server",
+            ) from None
+        except ValueError as e:
+            raise CliError(f"The server sent a response that is not JSON: {e}") from None
+
+    def _api_error(self, e: urllib.error.HTTPError) -> CliError:
+        try:
+            raw = e.read()
+        except OSError:
+            raw = b""
+        payload: Any = None
+        with contextlib.suppress(ValueError):
+            payload = json.loads(raw)
+        if isinstance(payload, dict) and "code" in payload and "message" in payload:
+            return ApiError(e.code, str(payload["code"]), str(payload["message"]))
+        if e.code == 404:
+            return CliError(
+                f"The Jupyter server at {self.server.url} does not serve /api/cedana "
+                "(is the jupyter_cedana server extension enabled?)",
+                EXIT_NO_SERVER,
+                "no_extension",
+            )
+        message = payload.get("message") if isinstance(payload, dict) else None
+        if e.code in (401, 403):
+            message = message or e.reason
+            return ApiError(e.code, "forbidden", f"Not authorized by {self.server.url}: {message}")
+        return ApiError(e.code, "http_error", f"HTTP {e.code}: {message or e.reason}")
+
+    def get(self, path: str) -> Any:
+        return self.request("GET", path)[1]
+
+    def post(self, path: str, **kwargs: Any) -> tuple[int, Any]:
+        return self.request("POST", path, **kwargs)
+
+
+# -- formatting ---------------------------------------------------------------------------
+
+
+def human_bytes(n: int | float | None) -> str:
+    if n is None:
+        return "-"
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            return f"{int(value)} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{value:.1f} TiB"  # pragma: no cover
+
+
+def human_seconds(s: float | None) -> str:
+    if s is None:
+        return "-"
+    s = max(0.0, float(s))
+    if s < 60:
+        return f"{s:.0f}s"
+    m, sec = divmod(int(s), 60)
+    if m < 60:
+        return f"{m}m{sec:02d}s"
+    h, m = divmod(m, 60)
+    if h < 24:
+        return f"{h}h{m:02d}m"
+    d, h = divmod(h, 24)
+    return f"{d}d{h:02d}h"
+
+
+_DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([smhd]?)\s*$")
+
+
+def parse_duration(text: str) -> float:
+    """Seconds from '90', '90s', '15m', '2h' or '1d'."""
+    m = _DURATION_RE.match(text)
+    if not m:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a duration (seconds, or a number with s, m, h or d)"
+        )
+    factor = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}[m.group(2)]
+    return float(m.group(1)) * factor
+
+
+def _state(k: dict[str, Any]) -> str:
+    state = str(k.get("state") or "?")
+    if k.get("tier") and state in ("suspending", "suspended", "resuming"):
+        state += f"/{k['tier']}"
+    progress = k.get("progress")
+    if isinstance(progress, dict) and state.startswith(("suspending", "resuming")):
+        state += f" {float(progress.get('fraction') or 0) * 100:.0f}%"
+    return state
+
+
+def kernel_row(k: dict[str, Any]) -> list[str]:
+    gpu = sum(int(g.get("memory_bytes") or 0) for g in k.get("gpus") or [])
+    ckpt = int(k.get("checkpoint_bytes") or 0)
+    return [
+        str(k.get("id", "")),
+        str(k.get("name", "")),
+        _state(k),
+        human_seconds(k.get("idle_seconds")),
+        human_bytes(gpu) if k.get("gpus") else "-",
+        human_bytes(ckpt) if ckpt else "-",
+        str(k.get("reason") or ""),
+    ]
+
+
+def format_table(headers: Sequence[str], rows: Sequence[Sequence[str]], width: int = 0) -> str:
+    """Left-aligned columns; the last column is cut to `width` when one is given."""
+    widths = [max(len(str(r[i])) for r in [headers, *rows]) for i in range(len(headers))]
+    lines = []
+    for row in [headers, *rows]:
+        cells = [str(c).ljust(w) for c, w in zip(row[:-1], widths[:-1], strict=True)]
+        line = "  ".join([*cells, str(row[-1])]).rstrip()
+        if width and len(line) > width:
+            line = line[: max(width - 1, 0)] + "…"
+        lines.append(line)
+    return "\n".join(lines)
+
+
+KERNEL_HEADERS = ["ID", "KERNELSPEC", "STATE", "IDLE", "GPU MEM", "CHECKPOINT", "REASON"]
+
+
+def _emit_json(data: Any) -> None:
+    print(json.dumps(data, indent=2, sort_keys=True))
+
+
+# -- commands -----------------------------------------------------------------------------
+
+
+def _kernel_path(kernel_id: str, action: str = "") -> str:
+    path = "kernels/" + urllib.parse.quote(kernel_id, safe="")
+    return f"{path}/{action}" if action else path
+
+
+def resolve_kernel_id(client: Client, kernel_id: str) -> str:
+    """A unique prefix of a kernel id stands for the id; anything else goes to the server
+    as it is (which then says what is wrong with it)."""
+    if len(kernel_id) >= 36:
+        return kernel_id
+    try:
+        ids = [str(k.get("id")) for k in client.get("kernels")]
+    except ApiError:
+        return kernel_id
+    if kernel_id in ids:
+        return kernel_id
+    matches = [i for i in ids if i.startswith(kernel_id)]
+    if len(matches) > 1:
+        raise CliError(
+            f"Kernel id prefix {kernel_id!r} is ambiguous: {', '.join(sorted(matches))}",
+            EXIT_USAGE,
+            "ambiguous",
+        )
+    return matches[0] if matches else kernel_id
+
+
+def cmd_list(args: argparse.Namespace, client: Client) -> int:
+    kernels = client.get("kernels")
+    if args.json:
+        _emit_json(kernels)
+        return EXIT_OK
+    if not kernels:
+        print("No kernels.")
+        return EXIT_OK
+    width = shutil.get_terminal_size().columns if sys.stdout.isatty() else 0
+    print(format_table(KERNEL_HEADERS, [kernel_row(k) for k in kernels], width))
+    return EXIT_OK
+
+
+def cmd_status(args: argparse.Namespace, client: Client) -> int:
+    st = client.get("status")
+    if args.json:
+        _emit_json(st)
+        return EXIT_OK
+    if st.get("available"):
+        ns = "kernels in their own PID namespace" if st.get("root") else "no PID namespace"
+        engine = f"available (CRIU {st.get('criu_version')}, {ns})"
+    else:
+        engine = f"unavailable: {st.get('reason')}"
+    gpu = st.get("gpu") or {}
+    if gpu.get("available"):
+        devices = gpu.get("devices") or []
+        names = ", ".join(
+            f"{d.get('index')}: {d.get('name')} ({human_bytes(d.get('memory_total'))})"
+            for d in devices
+        )
+        gpu_line = f"{len(devices)} GPU(s), driver {gpu.get('driver_version')}"
+        if names:
+            gpu_line += f" [{names}]"
+        if gpu.get("checkpoint"):
+            gpu_line += "; GPU memory checkpoint: yes"
+        else:
+            gpu_line += f"; GPU memory checkpoint: no ({gpu.get('reason')})"
+    else:
+        gpu_line = f"not available: {gpu.get('reason')}"
+    rows = [
+        ("Server", client.server.label),
+        ("Checkpointing", engine),
+        ("Checkpoint root", str(st.get("checkpoint_root"))),
+        (
+            "Storage",
+            f"{human_bytes(st.get('bytes_used'))} used, {human_bytes(st.get('bytes_free'))} free",
+        ),
+        ("GPU", gpu_line),
+    ]
+    for name, value in rows:
+        print(f"{name + ':':<17}{value}")
+    return EXIT_OK
+
+
+def cmd_suspend(args: argparse.Namespace, client: Client) -> int:
+    kid = resolve_kernel_id(client, args.kernel_id)
+    status, k = client.post(
+        _kernel_path(kid, "suspend"),
+        query={"tier": args.tier, "wait": "0" if args.no_wait else "1"},
+        timeout=args.timeout if args.timeout else 3600,
+    )
+    if args.json:
+        _emit_json(k)
+    elif status == 202 or k.get("state") == "suspending":
+        print(f"Kernel {kid} is {_state(k)}; `jupyter cedana list` shows when it is done.")
+    elif k.get("state") == "suspended":
+        size = human_bytes(k.get("checkpoint_bytes")) if k.get("checkpoint_bytes") else "-"
+        took = k.get("last_suspend_seconds")
+        took_text = f" in {took:.2f} s" if isinstance(took, int | float) else ""
+        print(f"Kernel {kid} suspended ({k.get('tier')}, {size}){took_text}.")
+    else:
+        # The suspend ended, but not in `suspended` (it failed and the kernel runs on).
+        reason = k.get("reason") or "no reason given"
+        print(f"Kernel {kid} is {_state(k)}: {reason}", file=sys.stderr)
+        return EXIT_ERROR
+    return EXIT_OK
+
+
+def cmd_resume(args: argparse.Namespace, client: Client) -> int:
+    kid = resolve_kernel_id(client, args.kernel_id)
+    status, k = client.post(
+        _kernel_path(kid, "resume"),
+        query={"wait": "0" if args.no_wait else "1"},
+        timeout=args.timeout if args.timeout else 3600,
+    )
+    if args.json:
+        _emit_json(k)
+    elif status == 202 or k.get("state") == "resuming":
+        print(f"Kernel {kid} is {_state(k)}; `jupyter cedana list` shows when it is done.")
+    elif k.get("state") == "running":
+        took = k.get("last_resume_seconds")
+        took_text = f" in {took:.2f} s" if isinstance(took, int | float) else ""
+        print(f"Kernel {kid} resumed{took_text}.")
+    else:
+        reason = k.get("reason") or "no reason given"
+        print(f"Kernel {kid} is {_state(k)}: {reason}", file=sys.stderr)
+        return EXIT_ERROR
+    return EXIT_OK
+
+
+def cmd_keep_awake(args: argparse.Namespace, client: Client) -> int:
+    kid = resolve_kernel_id(client, args.kernel_id)
+    _, k = client.post(_kernel_path(kid, "keep-awake"), body={"seconds": args.seconds})
+    if args.json:
+        _emit_json(k)
+    elif k.get("keep_awake_until"):
+        until = dt.datetime.fromisoformat(k["keep_awake_until"]).astimezone()
+        print(f"Kernel {kid} is kept awake until {until:%Y-%m-%d %H:%M:%S %Z}.")
+    else:
+        print(f"Kernel {kid}: keep-awake cleared.")
+    return EXIT_OK
+
+
+# -- gc -----------------------------------------------------------------------------------
+
+
+@dataclass
+class Leftover:
+    kind: str  # image, temporary, log, pidfile
+    path: Path
+    kernel_id: str | None
+    bytes: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind,
+            "path": str(self.path),
+            "kernel_id": self.kernel_id,
+            "bytes": self.bytes,
+        }
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _tree_bytes(path: Path) -> int:
+    if path.is_file():
+        return path.stat().st_size
+    total = 0
+    for dirpath, _dirs, files in os.walk(path):
+        for name in files:
+            with contextlib.suppress(OSError):
+                total += os.lstat(os.path.join(dirpath, name)).st_size
+    return total
+
+
+def gc_plan(store: CheckpointStore, keep: set[str], now: float | None = None) -> list[Leftover]:
+    """What `gc` removes from the store: images of kernels not in `keep`; temporaries of
+    dumps whose writer (the server process named in the directory's name) is gone; logs,
+    pid files and manifest-less directories of kernels not in `keep`, when older than
+    GC_MIN_AGE.
+
+    Unlike CheckpointStore.gc, this never touches a dump in progress, nor the log of a
+    kernel that is starting, so it is safe to run next to live servers.
+    """
+    now = time.time() if now is None else now
+
+    def old(p: Path) -> bool:
+        try:
+            return now - p.stat().st_mtime > GC_MIN_AGE
+        except OSError:
+            return False
+
+    plan = [
+        Leftover("image", store.path(kid), kid, store.size_of(kid) or _tree_bytes(store.path(kid)))
+        for kid in store.kernel_ids()
+        if kid not in keep
+    ]
+    for tmp in store.stale_temporaries():
+        m = _TMP_RE.match(tmp.name)
+        kid = m.group("kid") if m else None
+        if m and (kid in keep or _pid_alive(int(m.group("pid")))):
+            continue
+        plan.append(Leftover("temporary", tmp, kid, _tree_bytes(tmp)))
+
+    if store.root.is_dir():
+        # A kernel's directory without a manifest: what is left when CRIU writes into an
+        # image directory as it is being removed (e.g. its restore statistics).
+        for d in sorted(store.root.iterdir()):
+            if (
+                _ID_RE.match(d.name)
+                and d.is_dir()
+                and d.name not in keep
+                and not (d / MANIFEST).exists()
+                and old(d)
+            ):
+                plan.append(Leftover("leftover", d, d.name, _tree_bytes(d)))
+
+    images = {item.kernel_id for item in plan if item.kind == "image"}
+    logs = store.root / ".logs"
+    if logs.is_dir():
+        for log in sorted(logs.glob("*.log")):
+            kid = log.name[: -len(".log")]
+            # The log of an image being removed goes with it (CheckpointStore.remove).
+            if kid not in keep and kid not in images and old(log):
+                plan.append(Leftover("log", log, kid, log.stat().st_size))
+    if store.root.is_dir():
+        for pidfile in sorted(store.root.glob(".*.pid")):
+            m = _PIDFILE_RE.match(pidfile.name)
+            if m and m.group("kid") not in keep and old(pidfile):
+                plan.append(Leftover("pidfile", pidfile, m.group("kid"), 0))
+    return plan
+
+
+def gc_apply(store: CheckpointStore, plan: list[Leftover]) -> list[Leftover]:
+    removed = []
+    for item in plan:
+        try:
+            if item.kind == "image" and item.kernel_id:
+                store.remove(item.kernel_id)
+            elif item.path.is_dir():
+                shutil.rmtree(item.path)
+            else:
+                item.path.unlink(missing_ok=True)
+        except OSError as e:
+            print(f"could not remove {item.path}: {e}", file=sys.stderr)
+            continue
+        removed.append(item)
+    return removed
+
+
+def _resolved(path: str) -> str:
+    return str(Path(path).expanduser().resolve())
+
+
+def _owned_kernels(
+    servers: list[Server], root: str, timeout: float
+) -> tuple[set[str], list[str], int]:
+    """Kernel ids of every server whose checkpoint root is `root`; the servers that could
+    not be asked; how many servers share the root."""
+    keep: set[str] = set()
+    failed: list[str] = []
+    sharing = 0
+    for server in servers:
+        client = Client(server, timeout=timeout)
+        try:
+            st = client.get("status")
+        except CliError as e:
+            if e.code == "no_extension":
+                continue  # without jupyter-cedana a server owns no image
+            failed.append(f"{server.label}: {e.message}")
+            continue
+        if _resolved(str(st.get("checkpoint_root", ""))) != root:
+            continue
+        sharing += 1
+        try:
+            keep.update(str(k["id"]) for k in client.get("kernels"))
+        except CliError as e:
+            failed.append(f"{server.label}: {e.message}")
+    return keep, failed, sharing
+
+
+def cmd_gc(args: argparse.Namespace) -> int:
+    servers: list[Server] = []
+    own: set[str] = set()
+    if args.root:
+        root = _resolved(args.root)
+        servers = [s for s in running_servers() if s.url]
+    else:
+        selected = find_server(args.url, args.token)
+        client = Client(selected, timeout=args.timeout or 30)
+        root = _resolved(str(client.get("status")["checkpoint_root"]))
+        # The selected server must answer; others sharing its root are asked below.
+        own = {str(k["id"]) for k in client.get("kernels")}
+        servers = [s for s in running_servers() if s.url and not _same_url(s.url, selected.url)]
+    if not Path(root).is_dir():
+        if args.root:
+            raise CliError(f"{root} is not a directory", EXIT_USAGE, "bad_root")
+        # No kernel has been started with it yet, or the server runs on another machine.
+        print(
+            f"Nothing to remove: {root} does not exist here (a server on another machine "
+            "is cleaned by running `jupyter cedana gc` there, as its user).",
+            file=sys.stderr,
+        )
+        if args.json:
+            _emit_json({"checkpoint_root": root, "dry_run": bool(args.dry_run), "removed": []})
+        return EXIT_OK
+    keep, failed, sharing = _owned_kernels(servers, root, args.timeout or 30)
+    if not args.root:
+        keep |= own
+        sharing += 1
+    if failed and not args.force:
+        raise CliError(
+            "Cannot tell which kernels these servers own, so their images could be "
+            "removed by mistake: "
+            + "; ".join(failed)
+            + ". Stop them, or pass --force to go on without them.",
+            EXIT_NO_SERVER,
+            "no_server",
+        )
+    store = CheckpointStore(root)
+    plan = gc_plan(store, keep)
+    if args.root and plan and not args.dry_run and not args.yes:
+        images = sum(1 for p in plan if p.kind == "image")
+        question = (
+            f"Remove {images} checkpoint image(s) and {len(plan) - images} leftover(s) "
+            f"({human_bytes(sum(p.bytes for p in plan))}) under {root}"
+        )
+        if sharing:
+            question += f" (keeping the {len(keep)} kernel(s) of {sharing} running server(s))"
+        if not sys.stdin.isatty():
+            raise CliError(f"{question}? Refusing without --yes.", EXIT_USAGE, "not_confirmed")
+        answer = input(f"{question}? [y/N] ").strip().lower()
+        if answer not in ("y", "yes"):
+            print("Nothing removed.")
+            return EXIT_OK
+    removed = plan if args.dry_run else gc_apply(store, plan)
+    if args.json:
+        _emit_json(
+            {
+                "checkpoint_root": root,
+                "dry_run": bool(args.dry_run),
+                "kept_kernels": sorted(keep),
+                "removed": [item.to_json() for item in removed],
+            }
+        )
+    else:
+        verb = "Would remove" if args.dry_run else "Removed"
+        for item in removed:
+            what = f"{item.kind} of kernel {item.kernel_id}" if item.kernel_id else item.kind
+            print(f"{verb} {what}: {item.path} ({human_bytes(item.bytes)})")
+        if not removed:
+            print(f"Nothing to remove under {root}.")
+        else:
+            total = human_bytes(sum(item.bytes for item in removed))
+            print(f"{verb} {len(removed)} item(s), {total}.")
+    return EXIT_OK if len(removed) == len(plan) else EXIT_ERROR
+
+
+# -- entry point --------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument(
+        "--url", help="URL of the Jupyter server (default: the first running server)"
+    )
+    common.add_argument(
+        "--token",
+        help="its token (default: the token of the running server at --url, or $JUPYTER_TOKEN)",
+    )
+    common.add_argument("--json", action="store_true", help="print JSON for machines")
+    common.add_argument(
+        "--timeout",
+        type=float,
+        default=0,
+        help="seconds to wait for the server (default: 30; 3600 for suspend and resume)",
+    )
+
+    parser = argparse.ArgumentParser(
+        prog="jupyter cedana",
+        description="Suspend and resume the kernels of a running Jupyter server (jupyter-cedana).",
+        epilog="Exit status: 0 ok, 1 error, 2 usage, 3 no usable server, 4 kernel not "
+        "found, 5 conflict with the kernel's state, 6 checkpointing unavailable, "
+        "7 not authorized.",
+    )
+    parser.add_argument("--version", action="version", version=__version__)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    sub.add_parser("list", parents=[common], help="the kernels and their suspend state")
+    sub.add_parser("status", parents=[common], help="checkpointing, storage and GPU support")
+
+    p = sub.add_parser("suspend", parents=[common], help="suspend a kernel now")
+    p.add_argument("kernel_id", metavar="ID", help="kernel id (or a unique prefix)")
+    p.add_argument(
+        "--tier",
+        choices=["disk", "offload"],
+        default="disk",
+        help="disk: checkpoint the whole process to disk (default); offload: move only "
+        "its GPU memory to host memory",
+    )
+    p.add_argument("--no-wait", action="store_true", help="return while it is suspending")
+
+    p = sub.add_parser("resume", parents=[common], help="resume a suspended kernel now")
+    p.add_argument("kernel_id", metavar="ID", help="kernel id (or a unique prefix)")
+    p.add_argument("--no-wait", action="store_true", help="return while it is resuming")
+
+    p = sub.add_parser(
+        "keep-awake", parents=[common], help="postpone automatic suspend of a kernel"
+    )
+    p.add_argument("kernel_id", metavar="ID", help="kernel id (or a unique prefix)")
+    p.add_argument(
+        "seconds",
+        metavar="SECONDS",
+        type=parse_duration,
+        help="how long from now (90, 15m, 2h, 1d; 0 clears it)",
+    )
+
+    p = sub.add_parser(
+        "gc",
+        parents=[common],
+        help="remove checkpoint images that no kernel owns",
+        description="Remove checkpoint images (and leftovers of failed dumps) that no "
+        "kernel of a running server owns. The kernels of every running server that "
+        "shares the checkpoint root are kept.",
+    )
+    p.add_argument("--dry-run", action="store_true", help="only say what would be removed")
+    p.add_argument(
+        "--root",
+        metavar="DIR",
+        help="clean this checkpoint root instead of the server's; without a running "
+        "server every image there is removed (asks first)",
+    )
+    p.add_argument("--yes", "-y", action="store_true", help="do not ask (with --root)")
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="go on when a running server cannot be asked which kernels it owns",
+    )
+    return parser
+
+
+COMMANDS = {
+    "list": cmd_list,
+    "status": cmd_status,
+    "suspend": cmd_suspend,
+    "resume": cmd_resume,
+    "keep-awake": cmd_keep_awake,
+}
+
+
+def _fail(e: CliError, as_json: bool) -> NoReturn:
+    if as_json:
+        _emit_json({"code": e.code, "message": e.message, "status": getattr(e, "status", None)})
+    print(f"jupyter cedana: error: {e.message}", file=sys.stderr)
+    raise SystemExit(e.exit_code)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "gc":
+            return cmd_gc(args)
+        server = find_server(args.url, args.token)
+        client = Client(server, timeout=args.timeout or 30)
+        return COMMANDS[args.command](args, client)
+    except CliError as e:
+        _fail(e, args.json)
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

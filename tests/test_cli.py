@@ -1,0 +1,547 @@
+"""`jupyter cedana` against a real `jupyter server` process, with real kernels and CRIU;
+and a clean shutdown of such a server leaves no kernel process and no image behind."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+import uuid
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = pytest.mark.criu
+
+BIN = Path(sys.executable).parent
+JUPYTER = str(BIN / "jupyter")
+
+
+# -- a real server --------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Server:
+    proc: subprocess.Popen[bytes]
+    url: str
+    token: str
+    env: dict[str, str]
+    runtime_dir: Path
+    checkpoint_root: Path
+    log: Path
+    kernels: list[str] = field(default_factory=list)
+
+    def api(self, method: str, path: str, body: Any = None) -> tuple[int, Any]:
+        data = json.dumps(body).encode() if body is not None else None
+        if method == "POST" and data is None:
+            data = b"{}"
+        req = urllib.request.Request(
+            self.url + path,
+            data=data,
+            method=method,
+            headers={"Authorization": f"token {self.token}"},
+        )
+        try:
+            with urllib.request.urlopen(req, timeout=120) as r:
+                raw = r.read()
+                return r.status, json.loads(raw) if raw else None
+        except urllib.error.HTTPError as e:
+            raw = e.read()
+            return e.code, json.loads(raw) if raw else None
+
+    def start_kernel(self) -> str:
+        status, k = self.api("POST", "api/kernels", {"name": "python3"})
+        assert status == 201, (status, k)
+        self.kernels.append(k["id"])
+        return str(k["id"])
+
+    def kernel(self, kid: str) -> dict[str, Any]:
+        status, k = self.api("GET", f"api/cedana/kernels/{kid}")
+        assert status == 200, (status, k)
+        return dict(k)
+
+    def server_log(self) -> str:
+        return self.log.read_text(errors="replace")[-6000:]
+
+
+def start_server(base: Path) -> Server:
+    runtime, root, ckpt = base / "runtime", base / "root", base / "checkpoints"
+    for d in (runtime, root, base / "config", base / "data"):
+        d.mkdir(parents=True, exist_ok=True)
+    token = secrets.token_hex(16)
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("JUPYTER_", "JPY_"))}
+    env.update(
+        JUPYTER_RUNTIME_DIR=str(runtime),
+        JUPYTER_CONFIG_DIR=str(base / "config"),
+        JUPYTER_DATA_DIR=str(base / "data"),
+        PATH=f"{BIN}{os.pathsep}{env.get('PATH', '')}",
+    )
+    log = base / "server.log"
+    cmd = [
+        JUPYTER,
+        "server",
+        "--allow-root",
+        "--ip=127.0.0.1",
+        f"--port={port}",
+        "--ServerApp.port_retries=0",
+        f"--IdentityProvider.token={token}",
+        "--ServerApp.open_browser=False",
+        f"--ServerApp.root_dir={root}",
+        f"--CedanaApp.checkpoint_root={ckpt}",
+        # No automatic suspend: the tests decide when kernels are suspended.
+        "--SuspendPolicy.idle_timeout=0",
+    ]
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=root)
+    server = Server(proc, f"http://127.0.0.1:{port}/", token, env, runtime, ckpt, log)
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"jupyter server exited with {proc.returncode}:\n{log.read_text()}")
+        if list(runtime.glob("jpserver-*.json")):
+            with contextlib.suppress(OSError):
+                if server.api("GET", "api/cedana/status")[0] == 200:
+                    return server
+        time.sleep(0.2)
+    proc.kill()
+    raise RuntimeError(f"jupyter server did not start:\n{log.read_text()}")
+
+
+def stop_server(server: Server) -> None:
+    if server.proc.poll() is None:
+        with contextlib.suppress(OSError):
+            server.api("POST", "api/shutdown")
+        try:
+            server.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            server.proc.send_signal(signal.SIGINT)
+            try:
+                server.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                server.proc.kill()
+                server.proc.wait()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    s = start_server(tmp_path_factory.mktemp("cli-server"))
+    try:
+        yield s
+    finally:
+        stop_server(s)
+
+
+@pytest.fixture
+def kernel(server: Server) -> Iterator[str]:
+    kid = server.start_kernel()
+    yield kid
+    server.api("DELETE", f"api/kernels/{kid}")
+
+
+def cedana(
+    server: Server, *args: str, env: dict[str, str] | None = None, check: int | None = 0
+) -> subprocess.CompletedProcess[str]:
+    """Run `jupyter cedana ARGS` as a user would, in the server's environment."""
+    result = subprocess.run(
+        [JUPYTER, "cedana", *args],
+        env=env or server.env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        stdin=subprocess.DEVNULL,
+    )
+    if check is not None:
+        assert result.returncode == check, (
+            f"jupyter cedana {' '.join(args)} exited {result.returncode}, expected {check}\n"
+            f"stdout: {result.stdout}\nstderr: {result.stderr}\nserver log:\n"
+            f"{server.server_log()}"
+        )
+    return result
+
+
+def row_of(output: str, kid: str) -> str:
+    rows = [line for line in output.splitlines() if line.startswith(kid)]
+    assert len(rows) == 1, output
+    return rows[0]
+
+
+def plant_image(root: Path, kid: str, payload: bytes = b"x" * 4096) -> Path:
+    """An image directory as CheckpointStore.commit writes it (manifest with sizes and
+    CRC-32 checksums), for a kernel that no server has."""
+    d = root / kid
+    d.mkdir(mode=0o700, parents=True)
+    (d / "pages-1.img").write_bytes(payload)
+    manifest = {
+        "criu_version": "4.2.1",
+        "format": 1,
+        "kernel_id": kid,
+        "created": time.time() - 3600,
+        "host": socket.gethostname(),
+        "files": {"pages-1.img": {"size": len(payload), "crc32": zlib.crc32(payload)}},
+        "total_bytes": len(payload),
+        "timings": {"checksum_s": 0.0},
+    }
+    (d / "manifest.json").write_text(json.dumps(manifest, indent=1))
+    return d
+
+
+# -- list, status ---------------------------------------------------------------------------
+
+
+def test_status(server: Server) -> None:
+    out = cedana(server, "status").stdout
+    assert "Checkpoint root:" in out
+    assert str(server.checkpoint_root.resolve()) in out
+    assert "available (CRIU 4." in out, out
+    st = json.loads(cedana(server, "status", "--json").stdout)
+    assert st["available"] is True
+    assert Path(st["checkpoint_root"]) == server.checkpoint_root.resolve()
+    assert st["bytes_free"] > 0
+
+
+def test_list_shows_running_kernel(server: Server, kernel: str) -> None:
+    out = cedana(server, "list").stdout
+    header = out.splitlines()[0].split()
+    assert header[:3] == ["ID", "KERNELSPEC", "STATE"], out
+    for column in ("IDLE", "GPU", "CHECKPOINT", "REASON"):
+        assert column in header
+    row = row_of(out, kernel).split()
+    assert row[1:3] == ["python3", "running"], out
+    listed = json.loads(cedana(server, "list", "--json").stdout)
+    mine = [k for k in listed if k["id"] == kernel]
+    assert len(mine) == 1 and mine[0]["state"] == "running"
+
+
+# -- suspend, resume, keep-awake --------------------------------------------------------------
+
+
+def test_suspend_list_resume(server: Server, kernel: str) -> None:
+    out = cedana(server, "suspend", kernel).stdout
+    assert f"Kernel {kernel} suspended (disk" in out, out
+    assert (server.checkpoint_root / kernel / "manifest.json").is_file()
+
+    row = row_of(cedana(server, "list").stdout, kernel)
+    assert "suspended/disk" in row
+    assert "MiB" in row or "KiB" in row, row  # the checkpoint size
+    view = next(k for k in json.loads(cedana(server, "list", "--json").stdout) if k["id"] == kernel)
+    assert view["state"] == "suspended" and view["checkpoint_bytes"] > 0
+
+    # A unique prefix of the id is enough.
+    out = cedana(server, "resume", kernel[:8]).stdout
+    assert f"Kernel {kernel} resumed" in out, out
+    assert server.kernel(kernel)["state"] == "running"
+    assert "running" in row_of(cedana(server, "list").stdout, kernel)
+
+
+def test_suspend_json_and_no_wait(server: Server, kernel: str) -> None:
+    view = json.loads(cedana(server, "suspend", kernel, "--json").stdout)
+    assert view["id"] == kernel and view["state"] == "suspended" and view["tier"] == "disk"
+    out = cedana(server, "resume", kernel, "--no-wait").stdout
+    assert kernel in out
+    deadline = time.monotonic() + 60
+    while server.kernel(kernel)["state"] != "running":
+        assert time.monotonic() < deadline, server.kernel(kernel)
+        time.sleep(0.1)
+
+
+def test_suspend_no_wait_and_tier(server: Server, kernel: str) -> None:
+    out = cedana(server, "suspend", kernel, "--no-wait").stdout
+    assert kernel in out
+    deadline = time.monotonic() + 60
+    while server.kernel(kernel)["state"] != "suspended":
+        assert time.monotonic() < deadline, server.kernel(kernel)
+        time.sleep(0.1)
+    assert "suspended/disk" in row_of(cedana(server, "list").stdout, kernel)
+    cedana(server, "resume", kernel)
+
+    # The tier reaches the server: an offload either happens or is refused by the server
+    # (no GPU driver here, or nothing to offload), never turned into a disk suspend.
+    result = cedana(server, "suspend", kernel, "--tier", "offload", "--json", check=None)
+    if result.returncode == 0:
+        assert json.loads(result.stdout)["tier"] == "offload"
+        cedana(server, "resume", kernel)
+    else:
+        assert result.returncode in (5, 6), result
+        assert "offload" in result.stderr.lower(), result.stderr
+        assert server.kernel(kernel)["state"] == "running"
+    assert cedana(server, "suspend", kernel, "--tier", "tape", check=2).stdout == ""
+
+
+def test_keep_awake(server: Server, kernel: str) -> None:
+    before = time.time()
+    out = cedana(server, "keep-awake", kernel, "2h").stdout
+    assert f"Kernel {kernel} is kept awake until" in out, out
+    until = server.kernel(kernel)["keep_awake_until"]
+    assert until is not None
+    from datetime import datetime
+
+    seconds = datetime.fromisoformat(until).timestamp() - before
+    assert 7200 - 5 < seconds < 7200 + 60, until
+
+    view = json.loads(cedana(server, "keep-awake", kernel, "90", "--json").stdout)
+    assert view["keep_awake_until"] is not None
+
+    assert "cleared" in cedana(server, "keep-awake", kernel, "0").stdout
+    assert server.kernel(kernel)["keep_awake_until"] is None
+
+    bad = cedana(server, "keep-awake", kernel, "soon", check=2)
+    assert "not a duration" in bad.stderr
+
+
+# -- errors ---------------------------------------------------------------------------------
+
+
+def test_unknown_kernel(server: Server) -> None:
+    kid = str(uuid.uuid4())
+    status, expected = server.api("POST", f"api/cedana/kernels/{kid}/suspend")
+    assert status == 404
+    for command in (["suspend", kid], ["resume", kid], ["keep-awake", kid, "60"]):
+        result = cedana(server, *command, check=4)
+        assert expected["message"] in result.stderr, result.stderr
+        assert result.stdout == ""
+    err = json.loads(cedana(server, "resume", kid, "--json", check=4).stdout)
+    assert err["code"] == "not_found" and err["status"] == 404
+    # A malformed id is the server's 404 too.
+    result = cedana(server, "suspend", "..%2F..", check=4)
+    assert "Invalid kernel id" in result.stderr
+
+
+def test_conflicts(server: Server, kernel: str) -> None:
+    result = cedana(server, "resume", kernel, check=5)
+    assert "is running, not suspended" in result.stderr
+    cedana(server, "suspend", kernel)
+    result = cedana(server, "suspend", kernel, check=5)
+    assert "already suspended" in result.stderr
+    err = json.loads(cedana(server, "suspend", kernel, "--json", check=5).stdout)
+    assert err["code"] == "conflict"
+    cedana(server, "resume", kernel)
+
+
+def test_bad_token(server: Server) -> None:
+    result = cedana(server, "list", "--url", server.url, "--token", "wrong", check=7)
+    assert "jupyter cedana: error:" in result.stderr
+
+
+def test_explicit_url_without_runtime_files(server: Server, tmp_path: Path) -> None:
+    env = {**server.env, "JUPYTER_RUNTIME_DIR": str(tmp_path)}
+    out = cedana(server, "status", "--url", server.url, "--token", server.token, env=env).stdout
+    assert str(server.checkpoint_root.resolve()) in out
+    # The token may also come from the environment, like jupyter_server's own.
+    env["JUPYTER_TOKEN"] = server.token
+    cedana(server, "list", "--url", server.url, env=env)
+
+
+def test_no_server(server: Server, tmp_path: Path) -> None:
+    env = {**server.env, "JUPYTER_RUNTIME_DIR": str(tmp_path)}
+    result = cedana(server, "list", env=env, check=3)
+    assert "No running Jupyter server found" in result.stderr
+    assert str(tmp_path) in result.stderr
+    result = cedana(server, "list", "--url", f"http://127.0.0.1:{free_port()}/", env=env, check=3)
+    assert "Cannot reach" in result.stderr
+
+
+# -- gc ------------------------------------------------------------------------------------
+
+
+def test_gc_removes_only_unowned_images(server: Server, kernel: str) -> None:
+    cedana(server, "suspend", kernel)
+    live = server.checkpoint_root / kernel
+    assert (live / "manifest.json").is_file()
+    orphan_id = str(uuid.uuid4())
+    orphan = plant_image(server.checkpoint_root, orphan_id)
+    dead_tmp = server.checkpoint_root / f".{orphan_id}.tmp-999999999-1"
+    dead_tmp.mkdir()
+    # A dump in progress by a live process (here: this test) must survive.
+    busy_tmp = server.checkpoint_root / f".{uuid.uuid4()}.tmp-{os.getpid()}-2"
+    busy_tmp.mkdir()
+    try:
+        dry = cedana(server, "gc", "--dry-run").stdout
+        assert f"Would remove image of kernel {orphan_id}" in dry, dry
+        assert str(dead_tmp) in dry and str(busy_tmp) not in dry and kernel not in dry
+        assert orphan.is_dir() and dead_tmp.is_dir()
+
+        out = cedana(server, "gc").stdout
+        assert f"Removed image of kernel {orphan_id}: {orphan}" in out, out
+        assert kernel not in out
+        assert not orphan.exists() and not dead_tmp.exists()
+        assert busy_tmp.is_dir()
+        assert (live / "manifest.json").is_file()
+
+        report = json.loads(cedana(server, "gc", "--json").stdout)
+        assert report["removed"] == [] and kernel in report["kept_kernels"]
+        assert "Nothing to remove" in cedana(server, "gc").stdout
+
+        # The kept image is intact: the kernel comes back from it.
+        cedana(server, "resume", kernel)
+        assert server.kernel(kernel)["state"] == "running"
+    finally:
+        busy_tmp.rmdir()
+
+
+def test_gc_root_keeps_the_kernels_of_running_servers(server: Server, kernel: str) -> None:
+    cedana(server, "suspend", kernel)
+    orphan_id = str(uuid.uuid4())
+    orphan = plant_image(server.checkpoint_root, orphan_id)
+    out = cedana(server, "gc", "--root", str(server.checkpoint_root), "--yes").stdout
+    assert orphan_id in out and not orphan.exists()
+    assert (server.checkpoint_root / kernel / "manifest.json").is_file(), out
+    cedana(server, "resume", kernel)
+
+
+def test_gc_root_without_server(server: Server, tmp_path: Path) -> None:
+    env = {**server.env, "JUPYTER_RUNTIME_DIR": str(tmp_path / "runtime")}
+    root = tmp_path / "old-checkpoints"
+    ids = [str(uuid.uuid4()) for _ in range(2)]
+    images = [plant_image(root, kid) for kid in ids]
+
+    refused = cedana(server, "gc", "--root", str(root), env=env, check=2)
+    assert "Refusing without --yes" in refused.stderr
+    assert all(p.is_dir() for p in images)
+
+    dry = cedana(server, "gc", "--root", str(root), "--dry-run", env=env).stdout
+    assert all(kid in dry for kid in ids) and all(p.is_dir() for p in images)
+
+    out = cedana(server, "gc", "--root", str(root), "--yes", env=env).stdout
+    for kid, path in zip(ids, images, strict=True):
+        assert f"Removed image of kernel {kid}" in out
+        assert not path.exists()
+    assert "Removed 2 item(s)" in out
+
+
+# -- server shutdown -------------------------------------------------------------------------
+
+
+def _proc_table() -> dict[int, tuple[int, str, str, str]]:
+    """pid -> (ppid, state, start time, cmdline) of every process."""
+    table = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2 :].split()
+        table[int(entry)] = (int(fields[1]), fields[0], fields[19], cmdline)
+    return table
+
+
+def _descendants(table: dict[int, tuple[int, str, str, str]], root: int) -> set[int]:
+    found, frontier = set(), {root}
+    while frontier:
+        kids = {pid for pid, row in table.items() if row[0] in frontier} - found
+        found |= kids
+        frontier = kids
+    return found
+
+
+def _alive(snapshot: dict[int, tuple[int, str, str, str]]) -> list[str]:
+    """Processes of the snapshot still running (same pid and start time, not a zombie)."""
+    now = _proc_table()
+    return [
+        f"{pid}: {row[3]}"
+        for pid, row in snapshot.items()
+        if pid in now and now[pid][2] == row[2] and now[pid][1] != "Z"
+    ]
+
+
+def test_server_shutdown_leaves_no_kernel_process_or_image(tmp_path: Path) -> None:
+    server = start_server(tmp_path)
+    try:
+        suspended, running = server.start_kernel(), server.start_kernel()
+        cedana(server, "suspend", suspended)
+        assert (server.checkpoint_root / suspended / "manifest.json").is_file()
+        # Resume and suspend once more, so that a kernel restored by CRIU (under its
+        # `criu restore` parent) is among those the shutdown must stop.
+        cedana(server, "resume", suspended)
+        cedana(server, "suspend", suspended)
+        cedana(server, "suspend", running)
+        cedana(server, "resume", running)
+        assert server.kernel(suspended)["state"] == "suspended"
+        assert server.kernel(running)["state"] == "running"
+
+        table = _proc_table()
+        ckpt = str(server.checkpoint_root)
+        watched = {
+            pid: row
+            for pid, row in table.items()
+            if pid != server.proc.pid
+            and (
+                suspended in row[3]
+                or running in row[3]
+                or ckpt in row[3]
+                or pid in _descendants(table, server.proc.pid)
+            )
+        }
+        kernel_procs = [row[3] for row in watched.values() if running in row[3]]
+        assert any("ipykernel" in c for c in kernel_procs), watched
+        assert any("criu restore" in c for c in kernel_procs), watched
+        assert not any(suspended in row[3] and "ipykernel" in row[3] for row in watched.values())
+    except BaseException:
+        stop_server(server)
+        raise
+
+    status, _ = server.api("POST", "api/shutdown")
+    assert status == 200
+    try:
+        server.proc.wait(timeout=90)
+    finally:
+        stop_server(server)
+    assert server.proc.returncode == 0, server.server_log()
+
+    deadline = time.monotonic() + 10
+    while _alive(watched) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _alive(watched) == [], server.server_log()
+
+    left = sorted(p.name for p in server.checkpoint_root.iterdir())
+    assert suspended not in left and running not in left, left
+    assert not [n for n in left if ".tmp-" in n], left
+    assert not [n for n in left if n.endswith(".pid")], left
+    assert not [n for n in left if not n.startswith(".")], left  # no image of any kernel
+    assert not list(server.runtime_dir.glob("jpserver-*.json"))
+
+
+def test_gc_plan_spares_what_may_belong_to_a_starting_kernel(tmp_path: Path) -> None:
+    from jupyter_cedana.checkpoint import CheckpointStore
+    from jupyter_cedana.cli import GC_MIN_AGE, gc_plan
+
+    store = CheckpointStore(tmp_path)
+    logs = tmp_path / ".logs"
+    logs.mkdir()
+    live, gone = str(uuid.uuid4()), str(uuid.uuid4())
+    for kid in (live, gone):
+        (logs / f"{kid}.log").write_text("log")
+        (tmp_path / f".{kid}.pid").write_text("1")
+        (tmp_path / kid).mkdir()  # no manifest: what a racing CRIU leaves
+        (tmp_path / kid / "stats-restore").write_bytes(b"1234")
+    plant_image(tmp_path, orphan := str(uuid.uuid4()))
+
+    now = time.time()
+    fresh = {(i.kind, i.kernel_id) for i in gc_plan(store, keep={live}, now=now)}
+    assert fresh == {("image", orphan)}
+
+    later = {(i.kind, i.kernel_id) for i in gc_plan(store, keep={live}, now=now + GC_MIN_AGE + 1)}
+    assert later == {("image", orphan), ("log", gone), ("pidfile", gone), ("leftover", gone)}
