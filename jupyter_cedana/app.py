@@ -106,7 +106,10 @@ class CedanaApp(ExtensionApp):
             )
         self._server.kernel_websocket_connection_class = GatedWebsocketConnection
         self.settings["kernel_websocket_connection_class"] = GatedWebsocketConnection
-        self.settings["cedana_gate"] = MessageGate(self.manager, self.log)
+        gate = MessageGate(self.manager, self.log)
+        assert self.manager is not None
+        self.manager.on_resumed(gate.release)
+        self.settings["cedana_gate"] = gate
 
     def _guard_culler(self) -> None:
         """jupyter_server's culler must not shut down a suspended kernel before the

@@ -17,6 +17,10 @@ from jupyter_server.services.kernels.connection.channels import ZMQChannelsWebso
 from .errors import CedanaError
 
 V1 = "v1.kernel.websocket.jupyter.org"
+# Requests JupyterLab sends by itself (the debugger probes a kernel whenever a notebook
+# gets focus; resource monitors poll): held until the kernel resumes for a reason a person
+# gave, instead of waking it up.
+PASSIVE = frozenset({"debug_request", "usage_request"})
 
 
 class MessageGate:
@@ -29,19 +33,32 @@ class MessageGate:
         self._releasing: dict[str, asyncio.Task[None]] = {}
 
     def closed_to(self, kernel_id: str) -> bool:
-        return kernel_id in self._releasing or self.manager.state_of(kernel_id) in (
-            "suspending",
-            "suspended",
-            "resuming",
-            "failed",
+        return (
+            kernel_id in self._releasing
+            or bool(self._held.get(kernel_id))
+            or self.manager.state_of(kernel_id)
+            in ("suspending", "suspended", "resuming", "failed")
         )
 
     def hold(self, conn: GatedWebsocketConnection, message: Any) -> None:
         kid = conn.kernel_id
         self._held.setdefault(kid, []).append((conn, message))
-        if kid not in self._releasing:
-            self.log.info("Holding messages for suspended kernel %s while it resumes", kid)
-            self._releasing[kid] = asyncio.ensure_future(self._release(kid))
+        if kid in self._releasing:
+            return
+        try:
+            kind = conn._parse(message)[1]["header"]["msg_type"]
+        except Exception:
+            kind = "unknown"
+        if kind in PASSIVE and self.manager.state_of(kid) != "running":
+            self.log.debug("Holding %s for suspended kernel %s until it resumes", kind, kid)
+            return
+        self.log.info("%s for suspended kernel %s: resuming it", kind, kid)
+        self.release(kid)
+
+    def release(self, kernel_id: str) -> None:
+        """Resume if needed and deliver what is held (also called after any resume)."""
+        if self._held.get(kernel_id) and kernel_id not in self._releasing:
+            self._releasing[kernel_id] = asyncio.ensure_future(self._release(kernel_id))
 
     def connections(self, kernel_id: str) -> list[GatedWebsocketConnection]:
         return [

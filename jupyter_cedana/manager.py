@@ -57,6 +57,11 @@ class SuspendManager(LoggingConfigurable):
         self._last_tick = time.monotonic()
         self._last_progress_event: dict[str, float] = {}
         self._previous_state: dict[str, str] = {}
+        self._resume_listeners: list[Any] = []
+
+    def on_resumed(self, callback: Any) -> None:
+        """callback(kernel_id) after every successful resume, whoever asked for it."""
+        self._resume_listeners.append(callback)
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -430,6 +435,8 @@ class SuspendManager(LoggingConfigurable):
             if prov.last_resume_seconds is not None:
                 metrics.RESUME_SECONDS.observe(prov.last_resume_seconds)
             self._emit(kid, "resumed", state, None, duration=prov.last_resume_seconds)
+            for callback in self._resume_listeners:
+                callback(kid)
         elif state == "running" and before == "suspending":
             metrics.FAILURES.labels("suspend", _reason_label(prov.reason)).inc()
             self._emit(kid, "failed", state, None, reason=prov.reason)

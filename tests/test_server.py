@@ -327,6 +327,33 @@ async def test_messages_to_suspended_kernel_are_delivered_in_order(api, new_kern
     assert k["state"] == "running"
 
 
+async def test_passive_requests_do_not_wake_a_suspended_kernel(api, new_kernel, connect):
+    """JupyterLab's debugger probes a kernel whenever its notebook gets focus: that must
+    not resume it. The probe is answered once a cell run resumes the kernel."""
+    kid = await new_kernel()
+    client = await connect(kid)
+    await client.run("q = 5")
+    await api("POST", "kernels", kid, "suspend")
+    probe = client.session.msg(
+        "debug_request", {"seq": 1, "type": "request", "command": "debugInfo"}
+    )
+    probe["channel"] = "control"
+    client.ws.write_message(json.dumps(probe, default=json_default))
+    await asyncio.sleep(1.0)
+    _, k = await api("GET", "kernels", kid)
+    assert k["state"] == "suspended"
+    mid = client.execute("print(q)")
+    got = await client.collect([mid])
+    assert got[mid]["stdout"] == "5\n"
+    debug_replies = [
+        m
+        for m in client.messages
+        if m["msg_type"] == "debug_reply"
+        and m["parent_header"]["msg_id"] == probe["header"]["msg_id"]
+    ]
+    assert len(debug_replies) == 1
+
+
 async def test_two_clients_on_one_suspended_kernel(api, new_kernel, connect):
     kid = await new_kernel()
     one, two = await connect(kid), await connect(kid)
