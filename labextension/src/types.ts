@@ -1,0 +1,99 @@
+/**
+ * Types of the jupyter-cedana REST API (docs/rest-api.yaml) and of its events.
+ */
+
+/** A kernel's suspend state. */
+export type KernelState =
+  'running' | 'suspending' | 'suspended' | 'resuming' | 'failed';
+
+/** Where a suspended kernel is kept. */
+export type Tier = 'offload' | 'disk';
+
+/** One GPU used by a kernel's processes. */
+export interface IGpu {
+  index: number;
+  uuid: string;
+  memory_bytes: number;
+  /** Percent, 0-100, or null when unknown. */
+  utilization: number | null;
+}
+
+/** Progress of a suspend or a resume. */
+export interface IProgress {
+  phase: string;
+  fraction: number;
+  bytes_done?: number | null;
+  bytes_total?: number | null;
+}
+
+/** A kernel as `GET /api/cedana/kernels` describes it. */
+export interface IKernel {
+  id: string;
+  name: string;
+  state: KernelState;
+  tier: Tier | null;
+  execution_state: string;
+  last_activity: string | null;
+  idle_seconds: number;
+  suspend_at: string | null;
+  suspended_at: string | null;
+  keep_awake_until: string | null;
+  checkpoint_bytes: number;
+  last_suspend_seconds: number | null;
+  last_resume_seconds: number | null;
+  gpus: IGpu[];
+  suspendable: boolean;
+  reason: string | null;
+  progress: IProgress | null;
+}
+
+/** `GET /api/cedana/status`. */
+export interface IStatus {
+  available: boolean;
+  reason: string | null;
+  criu_version: string | null;
+  root: boolean;
+  checkpoint_root: string;
+  bytes_used: number;
+  bytes_free: number;
+  gpu: {
+    available: boolean;
+    reason: string | null;
+    driver_version?: string | null;
+    devices: Record<string, unknown>[];
+    checkpoint: boolean;
+  };
+}
+
+/** The error body of every failed request. */
+export interface IErrorBody {
+  code: string;
+  message: string;
+}
+
+/** The schema id of the server's kernel-state events. */
+export const EVENT_SCHEMA_ID =
+  'https://jupyter-cedana.readthedocs.io/events/kernel-state';
+
+/** What happened, as the event's `action` says. */
+export type EventAction =
+  | 'suspending'
+  | 'suspended'
+  | 'resuming'
+  | 'resumed'
+  | 'failed'
+  | 'progress'
+  | 'keep-awake';
+
+/** The data of a kernel-state event. */
+export interface IKernelStateEvent {
+  kernel_id: string;
+  action: EventAction;
+  state?: KernelState | null;
+  tier?: Tier | null;
+  duration_seconds?: number | null;
+  checkpoint_bytes?: number | null;
+  gpu_memory_freed_bytes?: number | null;
+  reason?: string | null;
+  progress?: IProgress | null;
+}

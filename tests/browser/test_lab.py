@@ -1,0 +1,290 @@
+"""JupyterLab in chromium: the sidebar suspends a kernel, the next cell restores it.
+
+Each test opens its own notebook (so its own kernel) in a fresh browser context.
+Screenshots go to test-artifacts/.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from .conftest import ARTIFACTS, LabServer
+
+pytestmark = [pytest.mark.browser, pytest.mark.criu]
+
+PANEL_ID = "jupyter-cedana-panel"
+SUSPEND_TIMEOUT_MS = 120_000
+
+
+def _write_notebook(server: LabServer, name: str, cells: list[str]) -> str:
+    nb = {
+        "cells": [
+            {
+                "cell_type": "code",
+                "execution_count": None,
+                "id": f"cell-{i}",
+                "metadata": {},
+                "outputs": [],
+                "source": src,
+            }
+            for i, src in enumerate(cells)
+        ],
+        "metadata": {
+            "kernelspec": {"display_name": "Python 3", "language": "python", "name": "python3"},
+            "language_info": {"name": "python"},
+        },
+        "nbformat": 4,
+        "nbformat_minor": 5,
+    }
+    (server.root_dir / name).write_text(json.dumps(nb))
+    return name
+
+
+def _open_notebook(page: Any, server: LabServer, name: str) -> str:
+    """Open a notebook, wait for its kernel to be idle; returns the kernel id."""
+    # `reset` starts from an empty workspace: only this notebook is open.
+    page.goto(server.lab_url(f"lab/tree/{name}") + "&reset")
+    _notebook(page).wait_for(state="visible", timeout=60_000)
+    kernel_id = server.kernel_of(name)
+    _wait_execution_state(server, kernel_id, "idle")
+    _cells(page).first.wait_for(state="visible")
+    return kernel_id
+
+
+def _notebook(page: Any) -> Any:
+    """The notebook panel shown now."""
+    return page.locator(".jp-NotebookPanel >> visible=true").first
+
+
+def _cells(page: Any) -> Any:
+    return _notebook(page).locator(".jp-Notebook .jp-Cell")
+
+
+def _wait_execution_state(
+    server: LabServer, kernel_id: str, state: str, timeout: float = 60
+) -> None:
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        status, body = server.request("GET", f"api/kernels/{kernel_id}")
+        last = body
+        if status == 200 and body.get("execution_state") == state:
+            return
+        time.sleep(0.25)
+    raise AssertionError(f"kernel {kernel_id} not {state}: {last}")
+
+
+def _run_cell(page: Any, index: int) -> None:
+    cell = _cells(page).nth(index)
+    cell.locator(".jp-InputArea-editor").click()
+    page.keyboard.press("Shift+Enter")
+
+
+def _cell_output(page: Any, index: int) -> Any:
+    return _cells(page).nth(index).locator(".jp-OutputArea-output")
+
+
+def _open_panel(page: Any) -> Any:
+    tab = page.locator(f'li[data-id="{PANEL_ID}"]')
+    tab.wait_for(state="visible")
+    panel = page.locator(f"#{PANEL_ID}")
+    if not panel.is_visible():
+        tab.click()
+    panel.wait_for(state="visible")
+    return panel
+
+
+def _card(page: Any, kernel_id: str) -> Any:
+    card = page.locator(f'#{PANEL_ID} .jp-cedana-kernel[data-kernel-id="{kernel_id}"]')
+    card.wait_for(state="visible", timeout=30_000)
+    return card
+
+
+def _kernel(server: LabServer, kernel_id: str) -> dict[str, Any]:
+    return server.get(f"api/cedana/kernels/{kernel_id}")
+
+
+def _kernel_pids(kernel_id: str) -> list[int]:
+    """Processes whose command line names the kernel's connection file."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if f"kernel-{kernel_id}" in cmdline and "ipykernel" in cmdline:
+            pids.append(int(entry.name))
+    return pids
+
+
+def _suspend_from_sidebar(page: Any, server: LabServer, kernel_id: str) -> dict[str, Any]:
+    card = _card(page, kernel_id)
+    button = card.locator("button.jp-cedana-suspend")
+    # The panel polls; the button is enabled once the kernel is known as running.
+    page.wait_for_function(
+        """id => {
+            const b = document.querySelector(
+              `.jp-cedana-kernel[data-kernel-id="${id}"] button.jp-cedana-suspend`);
+            return b && !b.disabled;
+        }""",
+        arg=kernel_id,
+        timeout=30_000,
+    )
+    button.click()
+    card.locator('.jp-cedana-badge[data-state="suspended"]').wait_for(timeout=SUSPEND_TIMEOUT_MS)
+    return _kernel(server, kernel_id)
+
+
+def test_suspend_from_sidebar_and_resume_on_next_cell(page: Any, lab_server: LabServer) -> None:
+    name = _write_notebook(lab_server, "state.ipynb", ["x = 41", "x + 1"])
+    kernel_id = _open_notebook(page, lab_server, name)
+
+    _run_cell(page, 0)
+    _cells(page).nth(0).locator(".jp-InputPrompt", has_text="[1]").wait_for(timeout=60_000)
+    _wait_execution_state(lab_server, kernel_id, "idle")
+    pids_before = _kernel_pids(kernel_id)
+
+    panel = _open_panel(page)
+    card = _card(page, kernel_id)
+    # The card names the notebook and its kernelspec.
+    assert "state.ipynb" in card.locator(".jp-cedana-kernel-name").inner_text()
+    assert card.locator(".jp-cedana-kernelspec").inner_text() == "python3"
+    assert card.locator("button.jp-cedana-resume").is_disabled()
+
+    kernel = _suspend_from_sidebar(page, lab_server, kernel_id)
+
+    # Server side: suspended, with an image on disk, and no kernel process left.
+    assert kernel["state"] == "suspended", kernel
+    assert kernel["checkpoint_bytes"] > 0, kernel
+    if pids_before:
+        assert _kernel_pids(kernel_id) == [], "the kernel process is still running"
+    # The badge, the buttons and the summary say so.
+    badge = card.locator(".jp-cedana-badge")
+    assert badge.inner_text().lower().startswith("suspended")
+    assert card.locator("button.jp-cedana-suspend").is_disabled()
+    assert card.locator("button.jp-cedana-resume").is_enabled()
+    assert card.locator(".jp-cedana-checkpoint").inner_text() != "\N{EN DASH}"
+    assert re.match(r"1 / \d+", panel.locator(".jp-cedana-suspended-count").inner_text())
+    # The notebook says its kernel is suspended, and so does the status bar.
+    indicator = _notebook(page).locator(".jp-NotebookPanel-toolbar .jp-cedana-indicator")
+    indicator.wait_for(state="visible")
+    assert indicator.inner_text().strip() == "Suspended"
+    status_item = page.locator(".jp-cedana-status-item")
+    assert "1 kernel suspended" in status_item.inner_text()
+
+    ARTIFACTS.mkdir(exist_ok=True)
+    panel.screenshot(path=str(ARTIFACTS / "panel-suspended.png"))
+    page.screenshot(path=str(ARTIFACTS / "notebook-suspended.png"))
+
+    # Run a cell that uses the earlier state: no other step.
+    _run_cell(page, 1)
+    _cell_output(page, 1).filter(has_text="42").wait_for(timeout=SUSPEND_TIMEOUT_MS)
+    assert _cell_output(page, 1).inner_text().strip() == "42"
+
+    kernel = _kernel(lab_server, kernel_id)
+    assert kernel["state"] == "running", kernel
+    card.locator('.jp-cedana-badge[data-state="running"]').wait_for(timeout=30_000)
+    _notebook(page).locator(
+        '.jp-NotebookPanel-toolbar .jp-cedana-indicator[data-state="running"]'
+    ).wait_for(state="attached", timeout=30_000)
+    assert "resume" in card.locator(".jp-cedana-durations").inner_text()
+    panel.screenshot(path=str(ARTIFACTS / "panel-resumed.png"))
+
+
+def test_keep_awake_postpones_the_countdown(page: Any, lab_server: LabServer) -> None:
+    name = _write_notebook(lab_server, "awake.ipynb", ["y = 1"])
+    kernel_id = _open_notebook(page, lab_server, name)
+    _open_panel(page)
+    card = _card(page, kernel_id)
+    before = _kernel(lab_server, kernel_id)
+    countdown = card.locator(".jp-cedana-countdown")
+    seconds_before = countdown.get_attribute("data-seconds")
+
+    card.locator("select.jp-cedana-keep-awake-select").select_option(str(4 * 3600))
+    card.locator("button.jp-cedana-keep-awake-button").click()
+    card.locator(".jp-cedana-keep-awake").wait_for(timeout=30_000)
+    assert "kept awake" in countdown.inner_text()
+
+    after = _kernel(lab_server, kernel_id)
+    assert after["keep_awake_until"], after
+    if before["suspend_at"] is not None:
+        # The automatic suspend moved back by about the keep-awake time.
+        assert after["suspend_at"] is not None
+        assert after["suspend_at"] > before["suspend_at"]
+        page.wait_for_function(
+            """([id, before]) => {
+                const el = document.querySelector(
+                  `.jp-cedana-kernel[data-kernel-id="${id}"] .jp-cedana-countdown`);
+                return el && Number(el.dataset.seconds) > Number(before) + 3 * 3600;
+            }""",
+            arg=[kernel_id, seconds_before or "0"],
+            timeout=15_000,
+        )
+    elif os.environ.get("CEDANA_BROWSER_REQUIRE_COUNTDOWN") == "1":
+        pytest.fail(f"the policy planned no automatic suspend: {before}")
+    card.screenshot(path=str(ARTIFACTS / "panel-keep-awake.png"))
+
+
+def test_failed_resume_shows_the_reason(page: Any, lab_server: LabServer) -> None:
+    name = _write_notebook(lab_server, "corrupt.ipynb", ["z = 'kept'"])
+    kernel_id = _open_notebook(page, lab_server, name)
+    _run_cell(page, 0)
+    _wait_execution_state(lab_server, kernel_id, "idle")
+    _open_panel(page)
+    kernel = _suspend_from_sidebar(page, lab_server, kernel_id)
+    assert kernel["state"] == "suspended", kernel
+
+    # Corrupt every image file of this kernel's checkpoint (not the manifest).
+    corrupted = []
+    for path in sorted(lab_server.checkpoint_root.rglob("*")):
+        if not path.is_file() or kernel_id not in str(path.relative_to(lab_server.checkpoint_root)):
+            continue
+        if path.suffix == ".json" or path.stat().st_size == 0:
+            continue
+        with path.open("r+b") as f:
+            size = path.stat().st_size
+            f.seek(size // 2)
+            f.write(os.urandom(min(4096, max(1, size - size // 2))))
+        corrupted.append(path)
+    if not corrupted:
+        # The image directory is not named after the kernel: corrupt all images.
+        for path in sorted(lab_server.checkpoint_root.rglob("*.img")):
+            with path.open("r+b") as f:
+                f.write(os.urandom(min(4096, path.stat().st_size or 1)))
+            corrupted.append(path)
+    assert corrupted, f"no image files under {lab_server.checkpoint_root}"
+
+    card = _card(page, kernel_id)
+    with page.expect_response(
+        lambda r: f"/api/cedana/kernels/{kernel_id}/resume" in r.url, timeout=SUSPEND_TIMEOUT_MS
+    ) as info:
+        card.locator("button.jp-cedana-resume").click()
+    response = info.value
+    assert response.status >= 400, f"the resume of a corrupt image succeeded: {response.status}"
+    message = response.json()["message"]
+    assert message
+
+    toast = page.locator(".Toastify__toast", has_text="Resume failed")
+    toast.first.wait_for(timeout=30_000)
+    text = toast.first.inner_text()
+    # Let the toast finish sliding in before the screenshot.
+    page.wait_for_function(
+        """() => [...document.querySelectorAll('.Toastify__toast')].some(
+            t => t.getBoundingClientRect().right <= window.innerWidth)""",
+        timeout=10_000,
+    )
+    page.screenshot(path=str(ARTIFACTS / "resume-failed.png"))
+    assert message[:60] in text, f"{message!r} not in the notification {text!r}"
+
+    # The kernel is failed (its checkpoint kept) or back to suspended, never running.
+    kernel = _kernel(lab_server, kernel_id)
+    assert kernel["state"] in ("failed", "suspended"), kernel
