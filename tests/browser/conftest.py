@@ -125,7 +125,7 @@ def _server_extension_present() -> bool:
 @pytest.fixture(scope="session")
 def lab_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LabServer]:
     if not _server_extension_present():
-        pytest.skip("jupyter_cedana has no server extension yet (_jupyter_server_extension_points)")
+        pytest.fail("jupyter_cedana has no server extension (_jupyter_server_extension_points)")
     if not _lab_extension_installed():
         pytest.fail(
             "the jupyter-cedana labextension is not installed: run "
@@ -199,7 +199,7 @@ def lab_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LabServer]:
             f"{server.log_tail()}"
         )
         if not body.get("available"):
-            pytest.skip(f"checkpointing unavailable here: {body.get('reason')}")
+            pytest.fail(f"checkpointing unavailable here: {body.get('reason')}")
         yield server
     finally:
         # Shut kernels down through the server so their images go too.
@@ -220,11 +220,11 @@ def lab_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LabServer]:
 @pytest.fixture(scope="session")
 def browser() -> Iterator[Any]:
     if not Path(CHROMIUM).exists():
-        pytest.skip(f"no chromium at {CHROMIUM} (apt-get install -y chromium)")
+        pytest.fail(f"no chromium at {CHROMIUM} (apt-get install -y chromium)")
     try:
         from playwright.sync_api import sync_playwright
     except ImportError:
-        pytest.skip("python playwright is not installed")
+        pytest.fail("python playwright is not installed")
     with sync_playwright() as pw:
         b = pw.chromium.launch(
             executable_path=CHROMIUM,

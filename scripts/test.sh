@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Sets up everything (idempotently) and runs every check: Python lint and types, C with
+# -Werror (in the build), TypeScript lint, jest, and pytest (real kernels, real CRIU, a
+# real JupyterLab in Debian's chromium). Needs root: CRIU dumps processes, and some
+# fault tests mount a tiny tmpfs.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+bash scripts/setup.sh --test
+export PATH=$ROOT/.venv/bin:$PATH
+
+step() { printf '\n[test] %s\n' "$*"; }
+step "ruff (lint + format)"
+ruff check jupyter_cedana tests bench docs native/hatch_build.py
+ruff format --check jupyter_cedana tests bench docs native/hatch_build.py
+step "mypy"
+mypy
+step "C helpers with -Wall -Wextra -Werror, checked against CUDA's cuda.h when present"
+make -s -C native all
+if [ -f /usr/local/cuda/include/cuda.h ]; then make -s -C native check-decls; fi
+step "TypeScript: eslint + prettier, jest"
+jlpm install >/dev/null
+jlpm lint:check
+jlpm test
+step "pytest"
+python -m pytest "$@"
