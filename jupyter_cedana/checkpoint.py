@@ -11,6 +11,7 @@ import shutil
 import socket
 import time
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,7 +32,7 @@ def validate_kernel_id(kernel_id: str) -> str:
     return kernel_id
 
 
-def file_crc32(path: Path) -> int:
+def file_crc32(path: Path, on_bytes: Callable[[int], None] | None = None) -> int:
     """CRC-32 of a file: catches truncation and bit rot at several GB/s, unlike sha256."""
     crc = 0
     with open(path, "rb", buffering=0) as f:
@@ -42,6 +43,8 @@ def file_crc32(path: Path) -> int:
             if not n:
                 break
             crc = zlib.crc32(view[:n], crc)
+            if on_bytes is not None:
+                on_bytes(n)
     return crc
 
 
@@ -145,14 +148,14 @@ class CheckpointStore:
             json.dump(manifest, f, indent=1)
         os.rename(tmp, mpath)
 
-    def verify(self, kernel_id: str) -> dict[str, Any]:
-        """Check sizes and checksums before a restore: a damaged image must not reach CRIU."""
+    def check_sizes(self, kernel_id: str) -> dict[str, Any]:
+        """The cheap half of verify(): every file there with its size. CRIU must never see
+        a truncated page file (it retries the short read forever)."""
         manifest = self.read_manifest(kernel_id)
         base = self.path(kernel_id)
         for name, meta in manifest["files"].items():
-            p = base / name
             try:
-                size = p.stat().st_size
+                size = (base / name).stat().st_size
             except FileNotFoundError:
                 raise CheckpointCorrupt(
                     f"Checkpoint of {kernel_id} is incomplete: {name} is missing"
@@ -162,7 +165,26 @@ class CheckpointStore:
                     f"Checkpoint of {kernel_id} is truncated or damaged: {name} has "
                     f"{size} bytes, expected {meta['size']}"
                 )
-            if file_crc32(p) != meta["crc32"]:
+        return manifest
+
+    def verify(
+        self, kernel_id: str, progress: Callable[[int, int], None] | None = None
+    ) -> dict[str, Any]:
+        """Check sizes, then checksums: a damaged image is never let run.
+        `progress(bytes_done, bytes_total)` follows the checksum pass."""
+        manifest = self.check_sizes(kernel_id)
+        base = self.path(kernel_id)
+        total = int(manifest.get("total_bytes") or 0)
+        done = 0
+
+        def advance(n: int) -> None:
+            nonlocal done
+            done += n
+            if progress is not None:
+                progress(done, total)
+
+        for name, meta in manifest["files"].items():
+            if file_crc32(base / name, advance) != meta["crc32"]:
                 raise CheckpointCorrupt(
                     f"Checkpoint of {kernel_id} is corrupted: checksum mismatch in {name}"
                 )

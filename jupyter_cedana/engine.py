@@ -11,6 +11,7 @@ import contextlib
 import os
 import re
 import shutil
+import signal
 import subprocess
 import time
 from collections.abc import Callable
@@ -339,7 +340,9 @@ class CheckpointEngine(SingletonConfigurable):
 
     def start_restore(self, images: Path, work: Path, pidfile: Path) -> subprocess.Popen[bytes]:
         """Start `criu restore` in the foreground: it stays as the restored tree's parent
-        (reaping it, so the kernel never lingers as a zombie) and exits when the tree does."""
+        (reaping it, so the kernel never lingers as a zombie) and exits when the tree does.
+        The tree is left stopped: the caller continues it (SIGCONT) once the image's
+        checksums, verified meanwhile, are known to be right."""
         info = self.require()
         cmd = [
             *self._base_args(info),
@@ -355,6 +358,7 @@ class CheckpointEngine(SingletonConfigurable):
             "--file-locks",
             "--pidfile",
             str(pidfile),
+            "--leave-stopped",
             *self.extra_restore_args,
         ]
         self.log.debug("running %s", " ".join(cmd))
@@ -390,12 +394,24 @@ class CheckpointEngine(SingletonConfigurable):
                     f"CRIU restore failed (exit {rc}): {criu_errors(work / 'restore.log')}"
                 )
             if time.monotonic() - t0 > self.restore_timeout:
-                proc.kill()
-                proc.wait()
+                kill_restore(proc)
                 raise ResumeFailed(f"CRIU restore took longer than {self.restore_timeout:.0f} s")
             if progress:
                 progress("restore", _children_rss(proc.pid), expected or None)
             await asyncio.sleep(0.02)
+
+
+def kill_restore(proc: subprocess.Popen[bytes]) -> None:
+    """Kill a `criu restore` and everything it forked. Killing CRIU alone orphans its
+    half-restored tasks, which then spin on their dead parent's log forever."""
+    from .proctree import process_tree
+
+    for pid in sorted(process_tree(proc.pid) - {proc.pid}):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    with contextlib.suppress(ProcessLookupError):
+        proc.kill()
+    proc.wait()
 
 
 def _children_rss(pid: int) -> int:

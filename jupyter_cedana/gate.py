@@ -36,8 +36,7 @@ class MessageGate:
         return (
             kernel_id in self._releasing
             or bool(self._held.get(kernel_id))
-            or self.manager.state_of(kernel_id)
-            in ("suspending", "suspended", "resuming", "failed")
+            or self.manager.state_of(kernel_id) in ("suspending", "suspended", "resuming", "failed")
         )
 
     def hold(self, conn: GatedWebsocketConnection, message: Any) -> None:

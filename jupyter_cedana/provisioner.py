@@ -25,9 +25,10 @@ from jupyter_client.connect import KernelConnectionInfo
 from jupyter_client.launcher import launch_kernel
 from jupyter_client.provisioning import LocalProvisioner
 
-from .engine import CheckpointEngine, tree_rss
+from .engine import CheckpointEngine, kill_restore, tree_rss
 from .errors import (
     CedanaError,
+    CheckpointCorrupt,
     Conflict,
     InsufficientGpuMemory,
     NotCheckpointable,
@@ -498,6 +499,34 @@ class CedanaProvisioner(LocalProvisioner):  # type: ignore[misc]
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGCONT)
 
+    async def _continue_restored(self, root: int, timeout: float = 10.0) -> None:
+        """CRIU writes the pidfile while the restored tasks are still ptrace-stopped and
+        stops them for good (SIGSTOP) only as it detaches: a SIGCONT sent before that is
+        overtaken. Wait for the group stop of every task, continue, and make sure."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            pids = process_tree(root)
+            if pids and all(_proc_state(p) == "T" for p in pids):
+                break
+            await asyncio.sleep(0.005)
+        else:
+            self.log.warning("Restored kernel %s did not report stopped; continuing it", root)
+        settle = time.monotonic() + 1.0
+        while True:
+            self._continue(process_tree(root))
+            await asyncio.sleep(0.02)
+            if time.monotonic() > settle or not any(
+                _proc_state(p) == "T" for p in process_tree(root)
+            ):
+                break
+
+    def _kill_tree(self, root: int) -> None:
+        pids = process_tree(root)
+        targets = [root] if self.engine.pidns else sorted(pids, reverse=True)
+        for pid in targets:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
     def _kill_stopped(self, pids: set[int]) -> None:
         targets = [self.pid] if self.engine.pidns and self.pid else sorted(pids, reverse=True)
         for pid in targets:
@@ -517,8 +546,7 @@ class CedanaProvisioner(LocalProvisioner):  # type: ignore[misc]
         self._set_state(KernelState.resuming)
         t0 = time.monotonic()
         try:
-            self._set_progress("verify", 0, self.checkpoint_bytes or None)
-            manifest = await asyncio.to_thread(store.verify, kid)
+            manifest = store.check_sizes(kid)
             gpu_state = manifest.get("gpu") or self._gpu_state
             gpu, plan = await self._admit(gpu_state)
         except InsufficientGpuMemory as e:
@@ -528,6 +556,17 @@ class CedanaProvisioner(LocalProvisioner):  # type: ignore[misc]
         except BaseException as e:
             self._fail_resume(kid, previous, e)
             raise self._as_resume_error(kid, e) from e
+        # CRIU restores (leaving the tree stopped) while the checksums are verified: both
+        # read the same pages, so a cold image is read from disk once, not twice.
+        loop = asyncio.get_running_loop()
+        self._set_progress("restore", 0, int(manifest["total_bytes"]) or None)
+
+        def verified(done: int, total: int) -> None:
+            loop.call_soon_threadsafe(self._set_progress, "restore", done, total)
+
+        verify = asyncio.ensure_future(asyncio.to_thread(store.verify, kid, verified))
+        proc: subprocess.Popen[bytes] | None = None
+        pid: int | None = None
         try:
             images = store.path(kid)
             work = store.work_dir(kid)
@@ -535,30 +574,40 @@ class CedanaProvisioner(LocalProvisioner):  # type: ignore[misc]
             pidfile.unlink(missing_ok=True)
             self._release_ports()
             proc = engine.start_restore(images, work, pidfile)
-            try:
-                pid = await engine.wait_restored(
-                    proc, work, pidfile, int(manifest["total_bytes"]), self._set_progress
-                )
-            except BaseException:
-                if proc.poll() is None:
-                    proc.kill()
-                    proc.wait()
-                raise
+            restored = asyncio.ensure_future(
+                engine.wait_restored(proc, work, pidfile, int(manifest["total_bytes"]))
+            )
+            # A checksum mismatch stops the restore at once, whatever CRIU is doing.
+            await asyncio.wait({restored, verify}, return_when=asyncio.FIRST_EXCEPTION)
+            if verify.done() and verify.exception() is not None:
+                restored.cancel()
+                with contextlib.suppress(BaseException):
+                    await restored
+                await verify
+            pid = await restored
+            await verify
+            await self._continue_restored(pid)
             if gpu_state and gpu is not None:
                 self._set_progress("gpu-restore", None, None)
-                try:
-                    await gpu.restore(
-                        gpu_state, process_tree(pid), admission=plan, progress=self._gpu_progress
-                    )
-                except BaseException:
-                    # The process is back but its GPU memory is not: it must not run on.
-                    os.kill(pid, signal.SIGKILL)
-                    await asyncio.to_thread(proc.wait)
-                    raise
-        except BaseException as e:
+                await gpu.restore(
+                    gpu_state, process_tree(pid), admission=plan, progress=self._gpu_progress
+                )
+        except BaseException as caught:
+            # Whatever was restored must not run on: its image or its GPU memory is wrong.
+            err: BaseException = caught
+            if pid is not None:
+                self._kill_tree(pid)
+            if proc is not None:
+                await asyncio.to_thread(kill_restore, proc)
+            with contextlib.suppress(BaseException):
+                await verify
+            damaged = None if verify.cancelled() else verify.exception()
+            if isinstance(damaged, CheckpointCorrupt):
+                err = damaged  # explains a CRIU failure better than CRIU does
             self._reserve_ports()
-            self._fail_resume(kid, previous, e)
-            raise self._as_resume_error(kid, e) from e
+            self._fail_resume(kid, previous, err)
+            raise self._as_resume_error(kid, err) from caught
+        assert proc is not None and pid is not None
         self.process = proc
         self.pid = pid
         self._gpu_state = None
@@ -638,3 +687,11 @@ class CedanaProvisioner(LocalProvisioner):  # type: ignore[misc]
 
     def memory_bytes(self) -> int:
         return tree_rss(self.pid) if self.pid and self.state == KernelState.running else 0
+
+
+def _proc_state(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "?"

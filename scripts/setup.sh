@@ -58,10 +58,11 @@ say "building and installing jupyter-cedana (native helpers, JupyterLab extensio
   || fail "jupyter labextension develop"
 touch "$stamp"
 
-"$ROOT/.venv/bin/jupyter" server extension list 2>&1 | grep -q "jupyter_cedana.*enabled" \
-  || fail "the server extension is not enabled"
-"$ROOT/.venv/bin/jupyter" labextension list 2>&1 | grep -q "jupyter-cedana.*enabled" \
-  || fail "the JupyterLab extension is not enabled"
+# (grep reads all of the output: with -q, pipefail would see jupyter die of SIGPIPE)
+server_exts=$("$ROOT/.venv/bin/jupyter" server extension list 2>&1)
+grep "jupyter_cedana.*enabled" <<<"$server_exts" >/dev/null || fail "the server extension is not enabled"
+lab_exts=$("$ROOT/.venv/bin/jupyter" labextension list 2>&1)
+grep "jupyter-cedana.*enabled" <<<"$lab_exts" >/dev/null || fail "the JupyterLab extension is not enabled"
 "$VPY" - <<'PY' || fail "the checkpoint engine is unavailable"
 from jupyter_cedana.engine import CheckpointEngine
 info = CheckpointEngine.instance().probe()

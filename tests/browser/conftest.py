@@ -122,7 +122,7 @@ def _server_extension_present() -> bool:
     return hasattr(jupyter_cedana, "_jupyter_server_extension_points")
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def lab_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LabServer]:
     if not _server_extension_present():
         pytest.fail("jupyter_cedana has no server extension (_jupyter_server_extension_points)")
@@ -217,7 +217,7 @@ def lab_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LabServer]:
         shutil.copy(log_path, ARTIFACTS / "jupyter-lab.log")
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def browser() -> Iterator[Any]:
     if not Path(CHROMIUM).exists():
         pytest.fail(f"no chromium at {CHROMIUM} (apt-get install -y chromium)")
