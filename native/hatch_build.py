@@ -1,4 +1,4 @@
-"""Hatch build hook: compile native/ into jupyter_cedana/bin/ so wheels and editable installs ship it."""
+"""Hatch build hook: compile native/ into jupyter_cedana/bin/ for wheels and editable installs."""
 
 from __future__ import annotations
 
@@ -19,9 +19,9 @@ class NativeBuildHook(BuildHookInterface):
         root = Path(self.root)
         if shutil.which("make") is None or shutil.which("cc") is None:
             raise RuntimeError("building jupyter-cedana needs make and a C compiler (cc)")
+        dest = root / "jupyter_cedana" / "bin"
         subprocess.run(
-            ["make", "-C", str(root / "native"), "install", f"DESTDIR={root / 'jupyter_cedana' / 'bin'}"],
-            check=True,
+            ["make", "-C", str(root / "native"), "install", f"DESTDIR={dest}"], check=True
         )
         build_data["pure_python"] = False
         build_data["infer_tag"] = True
