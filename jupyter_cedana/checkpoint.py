@@ -9,6 +9,7 @@ import os
 import re
 import shutil
 import socket
+import threading
 import time
 import zlib
 from collections.abc import Callable
@@ -46,6 +47,57 @@ def file_crc32(path: Path, on_bytes: Callable[[int], None] | None = None) -> int
             if on_bytes is not None:
                 on_bytes(n)
     return crc
+
+
+class FollowingHasher:
+    """CRC-32 of CRIU's page files while CRIU is still writing them (they only grow), so
+    that committing an image does not read gigabytes a second time."""
+
+    PATTERN = "pages-*.img"
+
+    def __init__(self, directory: Path):
+        self._dir = directory
+        self._done = threading.Event()
+        self._sums: dict[str, tuple[int, int]] = {}  # name -> (bytes hashed, crc)
+        self._thread = threading.Thread(target=self._run, name="cedana-crc", daemon=True)
+
+    def start(self) -> FollowingHasher:
+        self._thread.start()
+        return self
+
+    def finish(self) -> dict[str, tuple[int, int]]:
+        """Call once the writer has exited: hashes what is left and returns the sums."""
+        self._done.set()
+        self._thread.join()
+        return dict(self._sums)
+
+    def _run(self) -> None:
+        handles: dict[str, Any] = {}
+        buf = bytearray(_CHUNK)
+        view = memoryview(buf)
+        try:
+            while True:
+                last_pass = self._done.is_set()
+                progressed = False
+                for path in sorted(self._dir.glob(self.PATTERN)):
+                    f = handles.get(path.name)
+                    if f is None:
+                        f = handles[path.name] = open(path, "rb", buffering=0)  # noqa: SIM115
+                    hashed, crc = self._sums.get(path.name, (0, 0))
+                    while n := f.readinto(buf):
+                        crc = zlib.crc32(view[:n], crc)
+                        hashed += n
+                        progressed = True
+                    self._sums[path.name] = (hashed, crc)
+                if last_pass:
+                    return
+                if not progressed:
+                    self._done.wait(0.005)
+        except OSError:
+            self._sums.clear()  # commit() then hashes everything itself
+        finally:
+            for f in handles.values():
+                f.close()
 
 
 @dataclass
@@ -90,8 +142,15 @@ class CheckpointStore:
         if tmp.parent == self.root and tmp.name.startswith("."):
             shutil.rmtree(tmp, ignore_errors=True)
 
-    def commit(self, kernel_id: str, tmp: Path, manifest: dict[str, Any]) -> dict[str, Any]:
-        """Checksum every image file, write the manifest, and rename the directory into place."""
+    def commit(
+        self,
+        kernel_id: str,
+        tmp: Path,
+        manifest: dict[str, Any],
+        known: dict[str, tuple[int, int]] | None = None,
+    ) -> dict[str, Any]:
+        """Checksum every image file (reusing `known` (size, crc) pairs that still match
+        the file's size), write the manifest, and rename the directory into place."""
         t0 = time.monotonic()
         files: dict[str, dict[str, int]] = {}
         total = 0
@@ -100,7 +159,10 @@ class CheckpointStore:
                 continue
             os.chmod(entry, 0o600)
             size = entry.stat().st_size
-            files[entry.name] = {"size": size, "crc32": file_crc32(entry)}
+            hashed, crc = (known or {}).get(entry.name, (-1, 0))
+            if hashed != size:
+                crc = file_crc32(entry)
+            files[entry.name] = {"size": size, "crc32": crc}
             total += size
         manifest = {
             **manifest,

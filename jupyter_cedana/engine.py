@@ -23,7 +23,7 @@ from jupyter_core.paths import jupyter_data_dir
 from traitlets import Bool, Float, Integer, List, Unicode, default
 from traitlets.config import SingletonConfigurable
 
-from .checkpoint import CheckpointStore
+from .checkpoint import CheckpointStore, FollowingHasher
 from .errors import EngineUnavailable, ResumeFailed, SuspendFailed
 
 MIN_CRIU = (4, 2)
@@ -278,11 +278,15 @@ class CheckpointEngine(SingletonConfigurable):
             args.append("--unprivileged")
         return args
 
-    async def dump(self, pid: int, images: Path, progress: ProgressCallback | None = None) -> float:
+    async def dump(
+        self, pid: int, images: Path, progress: ProgressCallback | None = None
+    ) -> tuple[float, dict[str, tuple[int, int]]]:
         """Dump the tree rooted at `pid` into `images`, leaving it stopped (not killed).
 
         The caller kills the tree once the image is committed, or continues it (SIGCONT)
         if anything after the dump fails: the kernel then runs on exactly as before.
+        Returns the seconds CRIU took and the (size, crc) of the page files, hashed while
+        CRIU wrote them.
         """
         info = self.require()
         expected = tree_rss(pid)
@@ -307,9 +311,14 @@ class CheckpointEngine(SingletonConfigurable):
         ]
         self.log.debug("running %s", " ".join(cmd))
         t0 = time.monotonic()
-        proc = await asyncio.create_subprocess_exec(
-            *cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
-        )
+        hasher = FollowingHasher(images).start()
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                *cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+            )
+        except BaseException:
+            await asyncio.to_thread(hasher.finish)
+            raise
         wait = asyncio.ensure_future(proc.wait())
         try:
             while True:
@@ -325,6 +334,8 @@ class CheckpointEngine(SingletonConfigurable):
         except asyncio.CancelledError:
             proc.kill()
             raise
+        finally:
+            sums = await asyncio.to_thread(hasher.finish)
         stderr = (await proc.stderr.read()).decode(errors="replace") if proc.stderr else ""
         if proc.returncode != 0:
             why = criu_errors(images / "dump.log")
@@ -336,7 +347,7 @@ class CheckpointEngine(SingletonConfigurable):
             raise SuspendFailed(
                 f"CRIU dump failed (exit {proc.returncode}): {why or stderr.strip()}"
             )
-        return time.monotonic() - t0
+        return time.monotonic() - t0, sums
 
     def start_restore(self, images: Path, work: Path, pidfile: Path) -> subprocess.Popen[bytes]:
         """Start `criu restore` in the foreground: it stays as the restored tree's parent

@@ -441,7 +441,7 @@ class CedanaProvisioner(LocalProvisioner):  # type: ignore[misc]
         tmp = store.begin(kid)
         stopped = False
         try:
-            dump_s = await engine.dump(self.pid or 0, tmp, progress=self._set_progress)
+            dump_s, sums = await engine.dump(self.pid or 0, tmp, progress=self._set_progress)
             stopped = True
             self._set_progress("verify", None, None)
             manifest = await asyncio.to_thread(
@@ -456,6 +456,7 @@ class CedanaProvisioner(LocalProvisioner):  # type: ignore[misc]
                     "gpu": gpu_state,
                     "timings": {"dump_s": dump_s},
                 },
+                sums,
             )
         except BaseException as e:
             store.discard(tmp)

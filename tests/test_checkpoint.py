@@ -1,0 +1,98 @@
+"""The checkpoint store: ids, permissions, checksums, garbage collection."""
+
+from __future__ import annotations
+
+import os
+import stat
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from jupyter_cedana.checkpoint import (
+    CheckpointStore,
+    FollowingHasher,
+    file_crc32,
+    validate_kernel_id,
+)
+from jupyter_cedana.errors import CheckpointCorrupt, InvalidId
+
+
+@pytest.mark.parametrize("bad", ["", "..", "../x", "a/b", ".hidden", "x" * 200, "a b", "é"])
+def test_ids_that_could_reach_outside_are_refused(bad: str, tmp_path: Path) -> None:
+    with pytest.raises(InvalidId):
+        validate_kernel_id(bad)
+    with pytest.raises(InvalidId):
+        CheckpointStore(tmp_path).path(bad)
+
+
+def image(store: CheckpointStore, kid: str, payload: bytes) -> dict:
+    tmp = store.begin(kid)
+    (tmp / "pages-1.img").write_bytes(payload)
+    (tmp / "core-1.img").write_bytes(b"core")
+    return store.commit(kid, tmp, {"timings": {}})
+
+
+def test_commit_is_private_and_verifiable(tmp_path: Path) -> None:
+    store = CheckpointStore(tmp_path / "root")
+    manifest = image(store, "k1", os.urandom(1 << 20))
+    path = store.path("k1")
+    assert stat.S_IMODE(store.root.stat().st_mode) == 0o700
+    assert stat.S_IMODE(path.stat().st_mode) == 0o700
+    assert all(stat.S_IMODE(p.stat().st_mode) == 0o600 for p in path.iterdir())
+    assert manifest["total_bytes"] == (1 << 20) + 4
+    assert store.verify("k1")["files"] == manifest["files"]
+    assert not [p for p in store.root.iterdir() if ".tmp-" in p.name]
+
+
+def test_verify_reports_which_file_is_damaged(tmp_path: Path) -> None:
+    store = CheckpointStore(tmp_path)
+    image(store, "k2", b"x" * 10000)
+    pages = store.path("k2") / "pages-1.img"
+    pages.write_bytes(b"y" * 10000)
+    with pytest.raises(CheckpointCorrupt, match=r"checksum mismatch in pages-1\.img"):
+        store.verify("k2")
+    pages.write_bytes(b"x" * 9000)
+    with pytest.raises(CheckpointCorrupt, match="truncated"):
+        store.check_sizes("k2")
+
+
+def test_following_hasher_matches_a_file_that_grows_while_hashed(tmp_path: Path) -> None:
+    chunks = [os.urandom(300_000) for _ in range(20)]
+    hasher = FollowingHasher(tmp_path).start()
+
+    def writer() -> None:
+        with open(tmp_path / "pages-7.img", "wb") as f:
+            for c in chunks:
+                f.write(c)
+                f.flush()
+                time.sleep(0.002)
+
+    t = threading.Thread(target=writer)
+    t.start()
+    t.join()
+    sums = hasher.finish()
+    size = sum(len(c) for c in chunks)
+    assert sums["pages-7.img"] == (size, file_crc32(tmp_path / "pages-7.img"))
+
+
+def test_commit_recomputes_a_stale_known_checksum(tmp_path: Path) -> None:
+    store = CheckpointStore(tmp_path)
+    tmp = store.begin("k3")
+    (tmp / "pages-1.img").write_bytes(b"abc" * 1000)
+    manifest = store.commit("k3", tmp, {}, known={"pages-1.img": (10, 1234)})
+    assert manifest["files"]["pages-1.img"]["crc32"] == file_crc32(store.path("k3") / "pages-1.img")
+
+
+def test_gc_keeps_live_kernels_and_dumps_in_progress(tmp_path: Path) -> None:
+    store = CheckpointStore(tmp_path)
+    image(store, "alive", b"a")
+    image(store, "orphan", b"b")
+    in_progress = store.begin("writing")  # named after this (live) process
+    dead = store.root / ".gone.tmp-999999999-1"
+    dead.mkdir()
+    removed = store.gc(keep={"alive"})
+    assert "orphan" in removed and dead.name in removed
+    assert store.exists("alive") and not store.exists("orphan")
+    assert in_progress.exists() and not dead.exists()
