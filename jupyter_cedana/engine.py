@@ -118,6 +118,13 @@ class CheckpointEngine(SingletonConfigurable):
         "restore never meets its old PID numbers taken by other processes.",
     ).tag(config=True)
 
+    kernels_die_with_server = Bool(
+        True,
+        help="Terminate a kernel (running or restored) when the process that started it "
+        "dies, e.g. a jupyter server killed with SIGKILL, as ipykernel does by itself for "
+        "kernels not under cedana (it cannot here: a restored kernel has a new parent).",
+    ).tag(config=True)
+
     keep_image_after_resume = Bool(
         False,
         help="Keep a kernel's checkpoint image on disk after a successful resume (it is "
@@ -355,7 +362,12 @@ class CheckpointEngine(SingletonConfigurable):
         The tree is left stopped: the caller continues it (SIGCONT) once the image's
         checksums, verified meanwhile, are known to be right."""
         info = self.require()
+        keeper = [self.init_binary(), "--keeper", str(pidfile)]
+        if self.kernels_die_with_server:
+            keeper.append("--die-with-parent")
         cmd = [
+            *keeper,
+            "--",
             *self._base_args(info),
             "restore",
             "-D",

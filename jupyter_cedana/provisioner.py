@@ -134,6 +134,8 @@ class CedanaProvisioner(LocalProvisioner):  # type: ignore[misc]
         wrapped = [engine.init_binary()]
         if engine.pidns:
             wrapped.append("--pidns")
+        if engine.kernels_die_with_server:
+            wrapped.append("--die-with-parent")
         if engine.ipython_history_in_memory and any("ipykernel" in part for part in cmd):
             cmd = [*cmd, "--HistoryManager.hist_file=:memory:"]
         wrapped += ["--pidfile", str(pidfile), "--", *cmd]

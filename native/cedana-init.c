@@ -1,13 +1,23 @@
 /*
  * cedana-init: the process a checkpointable kernel runs under.
  *
- *   cedana-init [--pidns] [--pidfile PATH] -- CMD ARGS...
+ *   cedana-init [--pidns] [--pidfile PATH] [--die-with-parent] -- CMD ARGS...
+ *   cedana-init --keeper PIDFILE [--die-with-parent] -- CMD ARGS...
  *
- * With --pidns (needs CAP_SYS_ADMIN) it creates a new PID namespace and forks; the child
- * becomes PID 1 there and the parent stays behind in the host namespace, forwarding
- * signals and exiting with the child's status. CRIU dumps the namespace from that PID 1,
- * and a restore recreates the namespace, so restored kernels never collide with PID
- * numbers taken since the dump (pid_max is small here).
+ * It forks an init (the pid written to --pidfile) and stays behind as its watcher,
+ * forwarding signals and exiting with the init's status. With --pidns (needs
+ * CAP_SYS_ADMIN) the init is PID 1 of a new PID namespace: CRIU dumps the namespace
+ * from it, and a restore recreates the namespace, so restored kernels never collide with
+ * PID numbers taken since the dump (pid_max is small here).
+ *
+ * --die-with-parent: when the process that started the watcher dies (a jupyter server
+ * killed with SIGKILL), the kernel is terminated, as ipykernel would do by itself if
+ * it could watch its parent. Only the watcher holds the parent-death signal; the init is
+ * what CRIU dumps, and a parent-death signal there would fire right after a restore.
+ *
+ * --keeper PIDFILE: the same watch for a restored kernel: runs CMD (criu restore, which
+ * stays the restored tree's parent and writes PIDFILE) and, should its own parent die,
+ * terminates the process named in PIDFILE.
  *
  * As PID 1 (or as the plain init without --pidns) it starts a session (a session leader
  * outside the namespace breaks the dump), runs CMD in its own process group, forwards
@@ -19,6 +29,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <sched.h>
+#include <sys/prctl.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -30,6 +41,9 @@
 
 static const int forwarded[] = {SIGINT, SIGTERM, SIGHUP, SIGQUIT, SIGUSR1,
                                 SIGUSR2, SIGWINCH, SIGCONT, SIGALRM};
+/* A signal nobody sends by hand: the watcher's parent-death notice. */
+#define PARENT_DIED (SIGRTMIN + 3)
+#define GRACE_SECONDS 3
 #define NFORWARDED (sizeof(forwarded) / sizeof(forwarded[0]))
 
 static void die(const char *what)
@@ -57,6 +71,8 @@ static void take_signals(sigset_t *set)
 	}
 	sigaction(SIGCHLD, &sa, NULL);
 	sigaddset(set, SIGCHLD);
+	sigaction(PARENT_DIED, &sa, NULL);
+	sigaddset(set, PARENT_DIED);
 	if (sigprocmask(SIG_BLOCK, set, NULL) < 0)
 		die("sigprocmask");
 }
@@ -68,6 +84,7 @@ static void reset_signals(void)
 	for (size_t i = 0; i < NFORWARDED; i++)
 		signal(forwarded[i], SIG_DFL);
 	signal(SIGCHLD, SIG_DFL);
+	signal(PARENT_DIED, SIG_DFL);
 	sigprocmask(SIG_SETMASK, &empty, NULL);
 }
 
@@ -80,8 +97,43 @@ static int exit_code(int status)
 	return 1;
 }
 
+static pid_t read_pidfile(const char *path)
+{
+	FILE *f = path ? fopen(path, "re") : NULL;
+	int pid = 0;
+	if (!f)
+		return 0;
+	if (fscanf(f, "%d", &pid) != 1)
+		pid = 0;
+	fclose(f);
+	return pid;
+}
+
+struct watch {
+	int armed;		/* --die-with-parent */
+	const char *victim_file; /* --keeper: who to terminate, once known */
+	time_t orphaned_at;	/* 0 while the parent lives */
+};
+
+/* The parent is gone: ask the kernel to end (SIGTERM, which the init forwards to the
+ * kernel's group), and kill it after a grace period. */
+static void orphan_step(struct watch *w, pid_t child)
+{
+	pid_t victim = w->victim_file ? read_pidfile(w->victim_file) : child;
+	time_t now = time(NULL);
+	if (!w->orphaned_at) {
+		w->orphaned_at = now;
+		if (victim > 0)
+			kill(victim, SIGTERM);
+	} else if (now - w->orphaned_at >= GRACE_SECONDS) {
+		if (victim > 0)
+			kill(victim, SIGKILL);
+		kill(child, SIGKILL);
+	}
+}
+
 /* Waits for `main_pid`, reaping every other child on the way; forwards signals to `target`. */
-static int supervise(pid_t main_pid, pid_t target, const sigset_t *set)
+static int supervise(pid_t main_pid, pid_t target, const sigset_t *set, struct watch *w)
 {
 	for (;;) {
 		int status;
@@ -92,12 +144,30 @@ static int supervise(pid_t main_pid, pid_t target, const sigset_t *set)
 		}
 		if (pid < 0 && errno == ECHILD)
 			return 1;
+		if (w && w->orphaned_at)
+			orphan_step(w, main_pid);
 		/* A timeout keeps the loop alive across a CRIU restore, which may interrupt the wait. */
 		struct timespec timeout = {.tv_sec = 1, .tv_nsec = 0};
 		int sig = sigtimedwait(set, NULL, &timeout);
-		if (sig > 0 && sig != SIGCHLD)
+		if (sig == PARENT_DIED) {
+			if (w && w->armed && !w->orphaned_at)
+				orphan_step(w, main_pid);
+		} else if (sig > 0 && sig != SIGCHLD) {
 			kill(target, sig);
+		}
 	}
+}
+
+/* Called before forking: from then on the parent's death is noticed, also if it died
+ * already (the check after prctl closes that race). */
+static void watch_parent(struct watch *w)
+{
+	pid_t parent = getppid();
+	if (prctl(PR_SET_PDEATHSIG, PARENT_DIED) < 0)
+		die("prctl(PR_SET_PDEATHSIG)");
+	if (getppid() != parent)
+		raise(PARENT_DIED);
+	w->armed = 1;
 }
 
 static void write_pidfile(const char *path, pid_t pid)
@@ -131,19 +201,23 @@ static int run_init(char **argv, const sigset_t *set)
 		die(argv[0]);
 	}
 	setpgid(kernel, kernel);
-	return supervise(kernel, -kernel, set);
+	return supervise(kernel, -kernel, set, NULL);
 }
 
 int main(int argc, char **argv)
 {
-	int pidns = 0;
-	const char *pidfile = NULL;
+	int pidns = 0, die_with_parent = 0;
+	const char *pidfile = NULL, *keeper = NULL;
 	int i = 1;
 	for (; i < argc; i++) {
 		if (strcmp(argv[i], "--pidns") == 0) {
 			pidns = 1;
+		} else if (strcmp(argv[i], "--die-with-parent") == 0) {
+			die_with_parent = 1;
 		} else if (strcmp(argv[i], "--pidfile") == 0 && i + 1 < argc) {
 			pidfile = argv[++i];
+		} else if (strcmp(argv[i], "--keeper") == 0 && i + 1 < argc) {
+			keeper = argv[++i];
 		} else if (strcmp(argv[i], "--") == 0) {
 			i++;
 			break;
@@ -152,26 +226,41 @@ int main(int argc, char **argv)
 		}
 	}
 	if (i >= argc) {
-		fprintf(stderr, "usage: cedana-init [--pidns] [--pidfile PATH] -- CMD [ARGS...]\n");
+		fprintf(stderr, "usage: cedana-init [--pidns] [--pidfile PATH] [--die-with-parent] "
+				"-- CMD [ARGS...]\n"
+				"       cedana-init --keeper PIDFILE [--die-with-parent] -- CMD [ARGS...]\n");
 		return 2;
 	}
 	char **cmd = &argv[i];
 	sigset_t set;
+	struct watch w = {0, keeper, 0};
 	take_signals(&set);
+	if (die_with_parent)
+		watch_parent(&w);
 
-	if (!pidns) {
-		if (pidfile)
-			write_pidfile(pidfile, getpid());
-		return run_init(cmd, &set);
+	if (keeper) {
+		pid_t child = fork();
+		if (child < 0)
+			die("fork");
+		if (child == 0) {
+			prctl(PR_SET_PDEATHSIG, 0);
+			reset_signals();
+			execvp(cmd[0], cmd);
+			die(cmd[0]);
+		}
+		return supervise(child, child, &set, &w);
 	}
-	if (unshare(CLONE_NEWPID) < 0)
+	if (pidns && unshare(CLONE_NEWPID) < 0)
 		die("unshare(CLONE_NEWPID)");
 	pid_t init = fork();
 	if (init < 0)
 		die("fork");
-	if (init == 0)
+	if (init == 0) {
+		/* The init is what CRIU dumps: it must carry no parent-death signal. */
+		prctl(PR_SET_PDEATHSIG, 0);
 		return run_init(cmd, &set);
+	}
 	if (pidfile)
 		write_pidfile(pidfile, init);
-	return supervise(init, init, &set);
+	return supervise(init, init, &set, &w);
 }

@@ -1,0 +1,72 @@
+"""Kernels end with the process that started them, restored ones too (a jupyter server
+killed with SIGKILL must not leave kernels running, as stock ipykernel would not)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.criu
+
+SERVER = r"""
+import asyncio, json, os, sys
+from jupyter_client.manager import AsyncKernelManager
+from jupyter_client.provisioning import KernelProvisionerFactory
+from traitlets.config import Config
+from jupyter_cedana.proctree import process_tree
+
+async def main():
+    KernelProvisionerFactory.instance().default_provisioner_name = "cedana-provisioner"
+    c = Config()
+    c.CheckpointEngine.checkpoint_root = sys.argv[1]
+    plain, restored = AsyncKernelManager(config=c), AsyncKernelManager(config=c)
+    for km in (plain, restored):
+        await km.start_kernel()
+    await restored.provisioner.suspend()
+    await restored.provisioner.resume()
+    pids = sorted(process_tree(plain.provisioner.pid) | process_tree(restored.provisioner.pid))
+    keepers = [plain.provisioner.process.pid, restored.provisioner.process.pid]
+    print(json.dumps({"pids": pids, "keepers": keepers}), flush=True)
+    await asyncio.sleep(3600)
+
+asyncio.run(main())
+"""
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except FileNotFoundError:
+        return False
+
+
+def test_kernels_end_when_their_server_is_killed(tmp_path: Path) -> None:
+    server = subprocess.Popen(
+        [sys.executable, "-c", SERVER, str(tmp_path / "checkpoints")],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        line = server.stdout.readline() if server.stdout else ""
+        assert line, "the stand-in server did not start its kernels"
+        started = json.loads(line)
+        pids = started["pids"] + started["keepers"]
+        assert len(started["pids"]) >= 4 and all(alive(p) for p in pids)
+        os.kill(server.pid, signal.SIGKILL)
+        server.wait()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and any(alive(p) for p in pids):
+            time.sleep(0.1)
+        assert [p for p in pids if alive(p)] == []
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait()
