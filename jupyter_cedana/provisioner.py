@@ -260,7 +260,7 @@ class CedanaProvisioner(LocalProvisioner):  # type: ignore[misc]
         self.log.info("Discarding the checkpoint of kernel %s", self.kernel_id)
         if self.tier == "offload" and self.pid:
             # An offloaded kernel keeps its process (GPU memory moved into host memory).
-            self._kill_stopped(process_tree(self.pid))
+            self._kill_tree(self.pid)
             if self.process is not None:
                 with contextlib.suppress(Exception):
                     self.process.wait(10)
@@ -472,7 +472,7 @@ class CedanaProvisioner(LocalProvisioner):  # type: ignore[misc]
                 raise
             raise SuspendFailed(f"Suspend of kernel {kid} failed: {e}") from e
         # The image is safe on disk: only now does the kernel's memory go.
-        self._kill_stopped(pids)
+        self._kill_tree(self.pid or 0)
         if self.process is not None:
             with contextlib.suppress(Exception):
                 await asyncio.to_thread(self.process.wait, 10)
@@ -524,14 +524,11 @@ class CedanaProvisioner(LocalProvisioner):  # type: ignore[misc]
                 break
 
     def _kill_tree(self, root: int) -> None:
-        pids = process_tree(root)
-        targets = [root] if self.engine.pidns else sorted(pids, reverse=True)
-        for pid in targets:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-
-    def _kill_stopped(self, pids: set[int]) -> None:
-        targets = [self.pid] if self.engine.pidns and self.pid else sorted(pids, reverse=True)
+        """SIGKILL a kernel tree: its PID-namespace init takes the namespace with it;
+        without a namespace every process is killed, children first."""
+        if not root:
+            return
+        targets = [root] if self.engine.pidns else sorted(process_tree(root), reverse=True)
         for pid in targets:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
@@ -598,10 +595,12 @@ class CedanaProvisioner(LocalProvisioner):  # type: ignore[misc]
         except BaseException as caught:
             # Whatever was restored must not run on: its image or its GPU memory is wrong.
             err: BaseException = caught
+            restored_pids = process_tree(pid) if pid is not None else set()
             if pid is not None:
                 self._kill_tree(pid)
             if proc is not None:
                 await asyncio.to_thread(kill_restore, proc)
+            await _gone(restored_pids)
             with contextlib.suppress(BaseException):
                 await verify
             damaged = None if verify.cancelled() else verify.exception()
@@ -698,3 +697,10 @@ def _proc_state(pid: int) -> str:
             return f.read().rsplit(")", 1)[1].split()[0]
     except (OSError, IndexError):
         return "?"
+
+
+async def _gone(pids: set[int], timeout: float = 5.0) -> None:
+    """Wait until killed processes have really exited (SIGKILL is not synchronous)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and any(_proc_state(p) not in ("?", "Z", "X") for p in pids):
+        await asyncio.sleep(0.01)

@@ -345,6 +345,13 @@ async def test_passive_requests_do_not_wake_a_suspended_kernel(api, new_kernel, 
     mid = client.execute("print(q)")
     got = await client.collect([mid])
     assert got[mid]["stdout"] == "5\n"
+    # The probe was delivered once the kernel was back; its reply comes on the control
+    # channel, on its own schedule.
+    for _ in range(100):
+        if any(m["msg_type"] == "debug_reply" for m in client.messages):
+            break
+        raw = await asyncio.wait_for(client.ws.read_message(), 10)
+        client.messages.append(json.loads(raw))
     debug_replies = [
         m
         for m in client.messages
