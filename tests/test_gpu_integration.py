@@ -31,7 +31,7 @@ from jupyter_cedana.errors import (
     SuspendFailed,
 )
 from jupyter_cedana.manager import SuspendManager
-from jupyter_cedana.policy import KernelFacts, SuspendPolicy
+from jupyter_cedana.policy import SuspendPolicy
 from jupyter_cedana.proctree import process_tree
 from jupyter_cedana.provisioner import KernelState
 from tests.conftest import run, wait_iopub
@@ -621,49 +621,6 @@ async def test_status_without_any_gpu(
     assert off.gpu_monitor() is None and await off.cuda_checkpointer() is None
     status = SuspendManager(engine=off, policy=SuspendPolicy()).status()
     assert status["gpu"]["available"] is False and status["gpu"]["reason"]
-
-
-# ---- policy -----------------------------------------------------------------------------
-
-
-def facts(**kw: Any) -> KernelFacts:
-    base: dict[str, Any] = dict(
-        kernel_id="k",
-        kernelspec="python3",
-        spec_metadata={},
-        state="running",
-        tier=None,
-        execution_state="idle",
-        idle_seconds=0.0,
-        connections=0,
-        gpu_memory_bytes=KERNEL_GPU_MEM,
-        gpu_idle=True,
-        keep_awake_seconds=0.0,
-        suspended_seconds=0.0,
-        managed=True,
-    )
-    base.update(kw)
-    return KernelFacts(**base)
-
-
-def test_policy_offload_then_disk() -> None:
-    policy = SuspendPolicy(offload_timeout=60, idle_timeout=600)
-    d = policy.decide(facts(idle_seconds=10))
-    assert d.action is None and d.due_in == pytest.approx(50)
-    assert policy.decide(facts(idle_seconds=61)).action == "offload"
-    # offloaded: to disk once idle_timeout is reached, not before
-    offloaded = {"state": "suspended", "tier": "offload"}
-    assert policy.decide(facts(idle_seconds=300, **offloaded)).action is None
-    assert policy.decide(facts(idle_seconds=601, **offloaded)).action == "disk"
-    # a kernel busy on the GPU is left alone; a CPU kernel skips the offload tier
-    assert policy.decide(facts(idle_seconds=61, gpu_idle=False)).action is None
-    assert policy.decide(facts(idle_seconds=61, gpu_memory_bytes=0)).action is None
-    assert policy.decide(facts(idle_seconds=601, gpu_memory_bytes=0)).action == "disk"
-    # offload_timeout >= idle_timeout: straight to disk
-    late = SuspendPolicy(offload_timeout=600, idle_timeout=600)
-    assert late.decide(facts(idle_seconds=601)).action == "disk"
-    # a disk-suspended kernel is not touched again
-    assert policy.decide(facts(idle_seconds=9999, state="suspended", tier="disk")).action is None
 
 
 def test_fake_identity_is_not_a_stale_pid(fake_gpu: FakeGpu) -> None:

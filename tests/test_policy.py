@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 from jupyter_cedana.policy import KernelFacts, SuspendPolicy
 
 
@@ -96,3 +98,33 @@ def test_offload_tier_then_disk_then_retention() -> None:
     on_disk = facts(state="suspended", tier="disk", suspended_seconds=3601)
     assert p.decide(on_disk).action == "shutdown"
     assert p.decide(facts(state="suspended", tier="disk", suspended_seconds=10)).due_in == 3590
+
+
+def test_policy_offload_then_disk() -> None:
+    gpu = 4 << 30
+    policy = SuspendPolicy(offload_timeout=60, idle_timeout=600)
+    d = policy.decide(facts(idle_seconds=10, gpu_memory_bytes=gpu))
+    assert d.action is None and d.due_in == pytest.approx(50)
+    assert policy.decide(facts(idle_seconds=61, gpu_memory_bytes=gpu)).action == "offload"
+    # offloaded: to disk once idle_timeout is reached, not before
+    offloaded = {"state": "suspended", "tier": "offload"}
+    assert policy.decide(facts(idle_seconds=300, **offloaded, gpu_memory_bytes=gpu)).action is None
+    assert (
+        policy.decide(facts(idle_seconds=601, **offloaded, gpu_memory_bytes=gpu)).action == "disk"
+    )
+    # a kernel busy on the GPU is left alone; a CPU kernel skips the offload tier
+    assert (
+        policy.decide(facts(idle_seconds=61, gpu_idle=False, gpu_memory_bytes=gpu)).action is None
+    )
+    assert policy.decide(facts(idle_seconds=61, gpu_memory_bytes=0)).action is None
+    assert policy.decide(facts(idle_seconds=601, gpu_memory_bytes=0)).action == "disk"
+    # offload_timeout >= idle_timeout: straight to disk
+    late = SuspendPolicy(offload_timeout=600, idle_timeout=600)
+    assert late.decide(facts(idle_seconds=601, gpu_memory_bytes=gpu)).action == "disk"
+    # a disk-suspended kernel is not touched again
+    assert (
+        policy.decide(
+            facts(idle_seconds=9999, state="suspended", tier="disk", gpu_memory_bytes=gpu)
+        ).action
+        is None
+    )
