@@ -398,8 +398,6 @@ class CheckpointEngine(SingletonConfigurable):
         proc: subprocess.Popen[bytes],
         work: Path,
         pidfile: Path,
-        expected: int,
-        progress: ProgressCallback | None = None,
     ) -> int:
         """Wait until CRIU reports the restored root's PID; raise with CRIU's reason if not."""
         t0 = time.monotonic()
@@ -419,8 +417,6 @@ class CheckpointEngine(SingletonConfigurable):
             if time.monotonic() - t0 > self.restore_timeout:
                 kill_restore(proc)
                 raise ResumeFailed(f"CRIU restore took longer than {self.restore_timeout:.0f} s")
-            if progress:
-                progress("restore", _children_rss(proc.pid), expected or None)
             await asyncio.sleep(0.02)
 
 
@@ -435,15 +431,6 @@ def kill_restore(proc: subprocess.Popen[bytes]) -> None:
     with contextlib.suppress(ProcessLookupError):
         proc.kill()
     proc.wait()
-
-
-def _children_rss(pid: int) -> int:
-    try:
-        with open(f"/proc/{pid}/task/{pid}/children") as f:
-            kids = [int(x) for x in f.read().split()]
-    except OSError:
-        return 0
-    return sum(tree_rss(k) for k in kids)
 
 
 def _file_caps(path: str) -> str:

@@ -25,7 +25,7 @@ from jupyter_client.connect import KernelConnectionInfo
 from jupyter_client.launcher import launch_kernel
 from jupyter_client.provisioning import LocalProvisioner
 
-from .engine import CheckpointEngine, kill_restore, tree_rss
+from .engine import CheckpointEngine, kill_restore
 from .errors import (
     CedanaError,
     CheckpointCorrupt,
@@ -574,9 +574,7 @@ class CedanaProvisioner(LocalProvisioner):  # type: ignore[misc]
             pidfile.unlink(missing_ok=True)
             self._release_ports()
             proc = engine.start_restore(images, work, pidfile)
-            restored = asyncio.ensure_future(
-                engine.wait_restored(proc, work, pidfile, int(manifest["total_bytes"]))
-            )
+            restored = asyncio.ensure_future(engine.wait_restored(proc, work, pidfile))
             # A checksum mismatch stops the restore at once, whatever CRIU is doing.
             await asyncio.wait({restored, verify}, return_when=asyncio.FIRST_EXCEPTION)
             if verify.done() and verify.exception() is not None:
@@ -686,9 +684,6 @@ class CedanaProvisioner(LocalProvisioner):  # type: ignore[misc]
             "gpu_memory_freed": self.gpu_memory_freed,
             "reason": self.reason,
         }
-
-    def memory_bytes(self) -> int:
-        return tree_rss(self.pid) if self.pid and self.state == KernelState.running else 0
 
 
 def _proc_state(pid: int) -> str:
