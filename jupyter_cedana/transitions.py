@@ -1,0 +1,121 @@
+"""The kernel's transition state machine: states, allowed transitions, the per-kernel
+lock, progress, and the listeners told of every change.
+
+    running → suspending → suspended → resuming → running
+                  │                        │
+                  └→ running (failed       └→ failed (image kept) / suspended
+                     suspend: runs on)        (cancelled or refused by admission)
+
+A suspended or failed kernel may also be discarded (→ running, as a fresh start).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+from collections.abc import Awaitable, Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+
+class KernelState(str, enum.Enum):
+    running = "running"
+    suspending = "suspending"
+    suspended = "suspended"
+    resuming = "resuming"
+    failed = "failed"
+
+
+_S = KernelState
+ALLOWED: dict[KernelState, frozenset[KernelState]] = {
+    _S.running: frozenset({_S.suspending, _S.running}),
+    # suspended → suspending: an offloaded kernel going to disk.
+    _S.suspended: frozenset({_S.resuming, _S.suspending, _S.running}),
+    _S.suspending: frozenset({_S.suspended, _S.running, _S.failed}),
+    _S.resuming: frozenset({_S.running, _S.failed, _S.suspended}),
+    _S.failed: frozenset({_S.resuming, _S.running, _S.failed, _S.suspended}),
+}
+
+
+class IllegalTransition(RuntimeError):
+    """A bug: code asked for a state change the machine does not have."""
+
+
+@dataclass
+class Progress:
+    phase: str
+    fraction: float
+    bytes_done: int | None = None
+    bytes_total: int | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+Listener = Callable[[Any, str], None]
+
+
+class TransitionMachine:
+    """Mixed into the provisioner: its state, and the one-at-a-time transitions."""
+
+    log: Any
+    state: KernelState = KernelState.running
+    tier: str | None = None
+    reason: str | None = None
+    progress: Progress | None = None
+
+    def _init_transitions(self) -> None:
+        self._lock = asyncio.Lock()
+        self._inflight: tuple[str, asyncio.Future[Any]] | None = None
+        self._listeners: list[Listener] = []
+
+    def add_listener(self, listener: Listener) -> None:
+        """Called with (provisioner, what) on every state or progress change."""
+        self._listeners.append(listener)
+
+    def _notify(self, what: str) -> None:
+        for listener in list(self._listeners):
+            try:
+                listener(self, what)
+            except Exception:  # a broken observer must not break a suspend
+                self.log.exception("cedana listener failed")
+
+    def _set_state(self, state: KernelState, reason: str | None = None) -> None:
+        if state not in ALLOWED[self.state]:
+            raise IllegalTransition(f"{self.state.value} → {state.value}")
+        self.state = state
+        self.reason = reason
+        if state in (KernelState.running, KernelState.suspended, KernelState.failed):
+            self.progress = None
+        self._notify("state")
+
+    def _set_progress(self, phase: str, done: int | None, total: int | None) -> None:
+        fraction = min(1.0, done / total) if done is not None and total else 0.0
+        self.progress = Progress(phase, fraction, done, total)
+        self._notify("progress")
+
+    @property
+    def transition_in_flight(self) -> str | None:
+        """The kind of transition running now ("suspend-disk", "resume", ...), or None."""
+        return self._inflight[0] if self._inflight is not None else None
+
+    async def _once(self, kind: str, work: Callable[[], Awaitable[Any]]) -> Any:
+        """Run a transition under the kernel's lock; a concurrent request for the same
+        transition waits for the running one and gets its result."""
+        if self._inflight is not None and self._inflight[0] == kind:
+            return await asyncio.shield(self._inflight[1])
+        async with self._lock:
+            fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+            self._inflight = (kind, fut)
+            try:
+                result = await work()
+            except BaseException as e:
+                fut.set_exception(e)
+                # Nobody else may be waiting: retrieve the exception so asyncio stays quiet.
+                fut.exception()
+                raise
+            else:
+                fut.set_result(result)
+                return result
+            finally:
+                self._inflight = None
