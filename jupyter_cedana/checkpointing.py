@@ -27,6 +27,7 @@ from .errors import (
     ResumeFailed,
     SuspendFailed,
 )
+from .pids import check_free, task_ids
 from .proctree import process_tree
 from .transitions import KernelState, TransitionMachine
 
@@ -165,6 +166,7 @@ class Checkpointing(TransitionMachine):
                     "kernel_name": self._spec_name(),
                     "criu_version": engine.probe().criu_version,
                     "pidns": engine.pidns,
+                    "task_ids": [] if engine.pidns else task_ids(self.pid or 0),
                     "ports": self._ports(),
                     "gpu": gpu_state,
                     "timings": {"dump_s": dump_s},
@@ -258,6 +260,7 @@ class Checkpointing(TransitionMachine):
         t0 = time.monotonic()
         try:
             manifest = store.check_sizes(kid)
+            check_free(manifest.get("task_ids"))
             gpu_state = manifest.get("gpu") or self._gpu_state
             gpu, plan = await self._admit(gpu_state)
         except InsufficientGpuMemory as e:

@@ -27,6 +27,8 @@ from .checkpoint import CheckpointStore, FollowingHasher
 from .errors import EngineUnavailable, ResumeFailed, SuspendFailed
 
 MIN_CRIU = (4, 2)
+# Where scripts/grant-criu-caps.sh puts the copy of criu that carries file capabilities.
+GRANTED_CRIU = "/usr/local/lib/cedana/criu"
 _PACKAGE_BIN = Path(__file__).parent / "bin"
 
 ProgressCallback = Callable[[str, int | None, int | None], None]
@@ -103,7 +105,9 @@ class CheckpointEngine(SingletonConfigurable):
     criu_path = Unicode(
         "",
         help="Path of the criu binary (4.2 or newer). Empty: the first of "
-        "/usr/local/sbin/criu, /usr/sbin/criu and criu on PATH that is new enough.",
+        "/usr/local/lib/cedana/criu (scripts/grant-criu-caps.sh), /usr/local/sbin/criu, "
+        "/usr/sbin/criu and criu on PATH that is new enough (and, without root, carries "
+        "cap_checkpoint_restore).",
     ).tag(config=True)
 
     init_path = Unicode(
@@ -235,7 +239,7 @@ class CheckpointEngine(SingletonConfigurable):
         candidates = (
             [self.criu_path]
             if self.criu_path
-            else ["/usr/local/sbin/criu", "/usr/sbin/criu", shutil.which("criu") or ""]
+            else [GRANTED_CRIU, "/usr/local/sbin/criu", "/usr/sbin/criu", shutil.which("criu") or ""]
         )
         reason = "criu not found (install CRIU 4.2 or newer: scripts/install-criu.sh)"
         info = EngineInfo(False, reason, None, None, self.pidns)
@@ -260,16 +264,16 @@ class CheckpointEngine(SingletonConfigurable):
                     "(older versions fail to dump kernels with TCP sockets)"
                 )
                 continue
+            if os.geteuid() != 0:
+                caps = _file_caps(cand)
+                if "cap_checkpoint_restore" not in caps and "cap_sys_admin" not in caps:
+                    info.reason = (
+                        f"not running as root and {cand} has no "
+                        "cap_checkpoint_restore capability (see docs/deployment.md)"
+                    )
+                    continue
             info = EngineInfo(True, None, cand, version, self.pidns)
             break
-        if info.available and os.geteuid() != 0:
-            caps = _file_caps(info.criu_path or "")
-            if "cap_checkpoint_restore" not in caps and "cap_sys_admin" not in caps:
-                info.available = False
-                info.reason = (
-                    f"not running as root and {info.criu_path} has no "
-                    "cap_checkpoint_restore capability (see docs/deployment.md)"
-                )
         self._info = info
         return info
 
@@ -434,7 +438,8 @@ def kill_restore(proc: subprocess.Popen[bytes]) -> None:
 
 
 def _file_caps(path: str) -> str:
-    getcap = shutil.which("getcap")
+    # An ordinary user's PATH often lacks the sbin directories.
+    getcap = shutil.which("getcap", path=f"{os.environ.get('PATH', '')}:/usr/sbin:/sbin")
     if not getcap or not path:
         return ""
     try:

@@ -23,6 +23,7 @@ from jupyter_client.provisioning import LocalProvisioner
 
 from .checkpointing import Checkpointing
 from .errors import Conflict
+from .pids import KernelPids
 from .proctree import process_tree
 from .transitions import KernelState, Listener, Progress, TransitionMachine
 
@@ -60,6 +61,8 @@ class CedanaProvisioner(Checkpointing, TransitionMachine, LocalProvisioner):  # 
         wrapped = [engine.init_binary()]
         if engine.pidns:
             wrapped.append("--pidns")
+        else:
+            wrapped += KernelPids(parent=engine).launch_args()
         if engine.kernels_die_with_server:
             wrapped.append("--die-with-parent")
         if engine.ipython_history_in_memory and any("ipykernel" in part for part in cmd):

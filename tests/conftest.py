@@ -53,6 +53,12 @@ def pytest_fixture_setup(fixturedef: Any, request: Any) -> None:
         fixturedef.func = coro_wrapper
 
 
+def pytest_runtest_setup(item: Any) -> None:
+    # scripts/test.sh runs a subset again as an ordinary user (tests/test_nonroot.py).
+    if item.get_closest_marker("root") and os.geteuid() != 0:
+        pytest.skip("needs root")
+
+
 @pytest.fixture
 def checkpoint_root(tmp_path: Path) -> Path:
     return tmp_path / "checkpoints"
