@@ -239,7 +239,12 @@ class CheckpointEngine(SingletonConfigurable):
         candidates = (
             [self.criu_path]
             if self.criu_path
-            else [GRANTED_CRIU, "/usr/local/sbin/criu", "/usr/sbin/criu", shutil.which("criu") or ""]
+            else [
+                GRANTED_CRIU,
+                "/usr/local/sbin/criu",
+                "/usr/sbin/criu",
+                shutil.which("criu") or "",
+            ]
         )
         reason = "criu not found (install CRIU 4.2 or newer: scripts/install-criu.sh)"
         info = EngineInfo(False, reason, None, None, self.pidns)

@@ -3,7 +3,9 @@
 #   system packages, CRIU >= 4.2, a virtualenv at .venv with the package (its native
 #   helpers and the JupyterLab extension are built by the Python build).
 # Usage: scripts/setup.sh [--test]   (--test adds what the test suite needs: chromium,
-#                                    linters, jest dependencies)
+#                                    linters, jest dependencies; as root also the non-root
+#                                    test users and criu with file capabilities; the
+#                                    JupyterHub proxy)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -70,4 +72,13 @@ print(f"[setup] checkpoint engine: CRIU {info.criu_version} at {info.criu_path},
       f"PID namespaces {'on' if info.pidns else 'off (not root)'}")
 raise SystemExit(0 if info.available else f"unavailable: {info.reason}")
 PY
+if [ "$TEST" = 1 ]; then
+  if [ "$(id -u)" = 0 ]; then
+    # Test users, criu with file capabilities for group `cedana`, a venv they can read.
+    say "non-root test set-up (users cedana-test, cedana-test2; scripts/grant-criu-caps.sh)"
+    bash scripts/setup-nonroot.sh >/dev/null || fail "non-root test set-up"
+  fi
+  say "configurable-http-proxy for the JupyterHub tests (tests/hub/)"
+  bash scripts/setup-hub.sh || fail "JupyterHub test set-up"
+fi
 say "done"

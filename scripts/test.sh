@@ -24,3 +24,13 @@ jlpm lint:check
 jlpm test
 step "pytest"
 python -m pytest "$@"
+if [ $# -eq 0 ] && [ "$(id -u)" = 0 ]; then
+  # The same suspend / resume / transparent-resume tests and the Hub tests, as an
+  # ordinary user with the capability-carrying criu (no PID namespaces then).
+  step "pytest as the ordinary user cedana-test"
+  NR=$ROOT/.venv-nonroot/bin
+  runuser -u cedana-test -- env -i HOME=/home/cedana-test LANG=C.UTF-8 PATH="$NR:/usr/bin:/bin" \
+    "$NR/python" -m pytest -p no:cacheprovider \
+    tests/test_provisioner.py tests/test_server.py tests/test_parent_death.py \
+    tests/hub
+fi

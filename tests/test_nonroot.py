@@ -176,8 +176,19 @@ def test_a_user_cannot_checkpoint_or_restore_another_users_kernel(hosts, shared_
     loot = user_dir(shared_tmp, OTHER, "loot")
     dump = run_as(
         OTHER,
-        [GRANTED_CRIU, "dump", "--unprivileged", "-t", str(k["pid"]), "-D", str(loot)]
-        + ["--leave-running", "--tcp-close", "-o", "dump.log"],
+        [
+            GRANTED_CRIU,
+            "dump",
+            "--unprivileged",
+            "-t",
+            str(k["pid"]),
+            "-D",
+            str(loot),
+            "--leave-running",
+            "--tcp-close",
+            "-o",
+            "dump.log",
+        ],
     )
     assert dump.returncode != 0
     assert not list(loot.glob("pages-*.img"))
@@ -201,8 +212,17 @@ def test_a_copy_of_another_users_image_does_not_restore(shared_tmp: Path, reques
     request.addfinalizer(sleeper.kill)
     dump = run_as(
         USER,
-        [GRANTED_CRIU, "dump", "--unprivileged", "-t", str(sleeper.pid)]
-        + ["-D", str(mine), "-o", "dump.log"],
+        [
+            GRANTED_CRIU,
+            "dump",
+            "--unprivileged",
+            "-t",
+            str(sleeper.pid),
+            "-D",
+            str(mine),
+            "-o",
+            "dump.log",
+        ],
     )
     sleeper.wait()
     assert dump.returncode == 0, (mine / "dump.log").read_text()[-2000:]
@@ -212,8 +232,7 @@ def test_a_copy_of_another_users_image_does_not_restore(shared_tmp: Path, reques
         shutil.chown(stolen / img.name, OTHER, OTHER)
     restore = run_as(
         OTHER,
-        [GRANTED_CRIU, "restore", "--unprivileged", "-D", str(stolen)]
-        + ["-d", "-o", "restore.log"],
+        [GRANTED_CRIU, "restore", "--unprivileged", "-D", str(stolen), "-d", "-o", "restore.log"],
     )
     assert restore.returncode != 0
     log = (stolen / "restore.log").read_text()

@@ -1,0 +1,156 @@
+"""A user's kernels through a real JupyterHub, with servers of non-root users: culled or
+stopped servers bring their kernels back with all their state, users cannot reach each
+other's images, and a killed server leaves images that gc finds."""
+
+from __future__ import annotations
+
+import json
+import os
+import pwd
+import signal
+import subprocess
+from typing import Any
+
+import pytest
+
+from tests.hub.conftest import NONROOT_BIN, USERS, Hub, processes_mentioning, wait_for
+
+pytestmark = [pytest.mark.hub, pytest.mark.criu, pytest.mark.root]
+USER, OTHER = USERS
+
+STATE = """
+import threading, time
+import numpy as np
+x = "kept through the Hub"
+arr = np.arange(100_000, dtype=np.float64) * 2
+counter = [0]
+def tick():
+    while True:
+        counter[0] += 1
+        time.sleep(0.01)
+threading.Thread(target=tick, daemon=True).start()
+while counter[0] < 3:
+    time.sleep(0.01)
+before = counter[0]
+print("ready")
+"""
+CHECK = """
+start = counter[0]
+time.sleep(0.3)
+print(x, float(arr.sum()), counter[0] > start >= before)
+"""
+EXPECTED = f"kept through the Hub {float(sum(range(100_000)) * 2)} True"
+
+
+def notebook_with_state(hub: Hub, user: str) -> dict[str, Any]:
+    hub.start_server(user)
+    session = hub.open_notebook(user)
+    assert hub.execute(user, session["kernel"]["id"], STATE).strip() == "ready"
+    return session
+
+
+def assert_parked(hub: Hub, user: str, kernel_id: str) -> None:
+    """No process of the kernel is left, and its image is on disk."""
+    wait_for("the kernel's processes to end", lambda: not processes_mentioning(kernel_id))
+    manifest = hub.root(user) / kernel_id / "manifest.json"
+    assert manifest.is_file(), sorted(p.name for p in hub.root(user).iterdir())
+    assert json.loads(manifest.read_text())["kernel_id"] == kernel_id
+
+
+def assert_adopted(hub: Hub, user: str, session: dict[str, Any]) -> None:
+    """The restarted server lists the same session and kernel, suspended, and the next
+    cell sees the earlier state."""
+    kernel_id = session["kernel"]["id"]
+    hub.start_server(user)
+    sessions = hub.server(user, "GET", "/sessions").json()
+    assert [(s["id"], s["kernel"]["id"], s["path"]) for s in sessions] == [
+        (session["id"], kernel_id, session["path"])
+    ]
+    state = hub.server(user, "GET", f"/cedana/kernels/{kernel_id}").json()
+    assert state["state"] == "suspended", state
+    assert hub.execute(user, kernel_id, CHECK).strip() == EXPECTED
+    assert hub.server(user, "GET", f"/cedana/kernels/{kernel_id}").json()["state"] == "running"
+
+
+def test_server_culled_by_the_idle_culler_brings_its_kernel_back(hub: Hub) -> None:
+    session = notebook_with_state(hub, USER)
+    kernel_id = session["kernel"]["id"]
+    hub.switch.touch()  # the idle culler starts looking now
+    try:
+        hub.wait_stopped(USER)
+    finally:
+        hub.switch.unlink()
+    assert_parked(hub, USER, kernel_id)
+    assert_adopted(hub, USER, session)
+    hub.stop_server(USER)
+
+
+def test_server_stopped_through_the_hub_api_brings_its_kernel_back(hub: Hub) -> None:
+    session = notebook_with_state(hub, USER)
+    hub.stop_server(USER)
+    assert_parked(hub, USER, session["kernel"]["id"])
+    assert_adopted(hub, USER, session)
+    hub.stop_server(USER)
+
+
+def test_another_user_cannot_see_or_adopt_the_images(hub: Hub) -> None:
+    session = notebook_with_state(hub, USER)
+    kernel_id = session["kernel"]["id"]
+    hub.stop_server(USER)
+    assert_parked(hub, USER, kernel_id)
+
+    # The second user's server, even pointed at the first user's checkpoint root, lists
+    # nothing and adopts nothing: the root is the first user's, 0700.
+    hub.prepare(OTHER)
+    r = hub.api(
+        "POST",
+        f"/users/{OTHER}/server",
+        json={"checkpoint_root": str(hub.root(USER))},
+    )
+    assert r.status_code in (201, 202), r.text
+    wait_for(f"{OTHER}'s server", lambda: (hub.server_model(OTHER) or {}).get("ready"))
+    assert hub.server(OTHER, "GET", "/sessions").json() == []
+    assert hub.server(OTHER, "GET", "/cedana/kernels").json() == []
+    assert hub.server(OTHER, "GET", f"/kernels/{kernel_id}").status_code == 404
+    hub.stop_server(OTHER)
+
+    # Nor can the second user's token reach the first user's server.
+    hub.start_server(USER)
+    other_token = hub.token(OTHER)
+    assert hub.server(USER, "GET", "/sessions", token=other_token).status_code in (403, 404)
+    assert hub.server(USER, "GET", "/cedana/kernels", token=other_token).status_code in (403, 404)
+    hub.stop_server(USER)
+
+    assert_parked(hub, USER, kernel_id)
+    assert_adopted(hub, USER, session)
+    hub.stop_server(USER)
+
+
+def test_server_killed_with_sigkill_leaves_images_for_gc(hub: Hub) -> None:
+    """A killed server cannot park: its running kernels die with it (their watcher sees
+    it go), and the images of its suspended kernels stay until `jupyter cedana gc`."""
+    session = notebook_with_state(hub, USER)
+    running = session["kernel"]["id"]
+    suspended = hub.open_notebook(USER, "other.ipynb")["kernel"]["id"]
+    r = hub.server(USER, "POST", f"/cedana/kernels/{suspended}/suspend")
+    assert r.status_code == 200, r.text
+    assert processes_mentioning(running)
+
+    os.kill(hub.server_pid(USER), signal.SIGKILL)
+    hub.wait_stopped(USER)
+    wait_for("the running kernel to die", lambda: not processes_mentioning(running))
+    assert not (hub.root(USER) / running / "manifest.json").exists()
+    assert (hub.root(USER) / suspended / "manifest.json").is_file()
+
+    home, root = pwd.getpwnam(USER).pw_dir, str(hub.root(USER))
+    gc = subprocess.run(
+        [str(NONROOT_BIN / "jupyter-cedana"), "gc", "--dry-run", "--json", "--root", root],
+        user=USER,
+        env={"HOME": home, "PATH": f"{NONROOT_BIN}:/usr/bin:/bin"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert gc.returncode == 0, gc.stderr
+    found = {(i["kind"], i["kernel_id"]) for i in json.loads(gc.stdout)["removed"]}
+    assert ("image", suspended) in found
