@@ -102,6 +102,7 @@ def test_another_user_cannot_see_or_adopt_the_images(hub: Hub) -> None:
     # The second user's server, even pointed at the first user's checkpoint root, lists
     # nothing and adopts nothing: the root is the first user's, 0700.
     hub.prepare(OTHER)
+    hub.ensure_user(OTHER)
     r = hub.api(
         "POST",
         f"/users/{OTHER}/server",
