@@ -23,8 +23,21 @@ for u in "${TEST_USERS[@]}"; do args+=(--add-user "$u"); done
 bash scripts/grant-criu-caps.sh "${args[@]}" >&2
 
 # The test users must read this checkout (tests and the editable package live here).
+# A checkout under a private directory (e.g. /root) gets a traverse-only ACL entry for
+# group cedana on each directory above it that they cannot enter: no listing, no reading
+# of anything there that is not world-readable anyway.
 if ! runuser -u cedana-test -- test -r "$ROOT/pyproject.toml"; then
-  fail "user cedana-test cannot read $ROOT: clone the repository where other users can read it (every parent directory o+x), e.g. under /work or /srv"
+  command -v setfacl >/dev/null || fail "$ROOT is not readable by cedana-test and setfacl is missing (apt-get install acl)"
+  d=$ROOT
+  while [ "$d" != / ]; do
+    if ! runuser -u cedana-test -- test -x "$d"; then
+      say "granting group cedana traverse (x) on $d"
+      setfacl -m g:cedana:x "$d"
+    fi
+    d=$(dirname "$d")
+  done
+  runuser -u cedana-test -- test -r "$ROOT/pyproject.toml" \
+    || fail "user cedana-test cannot read $ROOT (is the checkout world-readable?)"
 fi
 
 SYSPY=${NONROOT_PYTHON:-/usr/bin/python3}

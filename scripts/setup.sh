@@ -21,6 +21,9 @@ for p in build-essential make pkg-config libcap2-bin; do want "$p"; done
 command -v node >/dev/null 2>&1 || want nodejs
 command -v python3 >/dev/null 2>&1 || { want python3; want python3-venv; }
 [ "$TEST" = 1 ] && want chromium
+# Non-root tests: a virtualenv from the system's python3 (readable by the test users),
+# ACLs when the checkout sits under a private directory.
+[ "$TEST" = 1 ] && [ "$(id -u)" = 0 ] && { want python3-venv; want acl; }
 if [ ${#need_pkgs[@]} -gt 0 ]; then
   [ "$(id -u)" = 0 ] || fail "missing system packages (${need_pkgs[*]}); run as root or install them"
   say "installing system packages: ${need_pkgs[*]}"
