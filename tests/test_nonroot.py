@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 
 from jupyter_cedana.engine import GRANTED_CRIU
+from tests.test_parent_death import alive
 
 pytestmark = [pytest.mark.criu, pytest.mark.root]
 
@@ -111,14 +112,6 @@ def hosts(shared_tmp: Path) -> Iterator[Any]:
     yield start
     for h in started:
         h.close()
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except FileNotFoundError:
-        return False
 
 
 def processes_of(uid: int) -> list[int]:
