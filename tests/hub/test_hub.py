@@ -15,7 +15,7 @@ import pytest
 
 from tests.hub.conftest import NONROOT_BIN, USERS, Hub, processes_mentioning, wait_for
 
-pytestmark = [pytest.mark.hub, pytest.mark.criu, pytest.mark.root]
+pytestmark = [pytest.mark.hub, pytest.mark.criu]
 USER, OTHER = USERS
 
 STATE = """
@@ -93,7 +93,9 @@ def test_server_stopped_through_the_hub_api_brings_its_kernel_back(hub: Hub) -> 
     hub.stop_server(USER)
 
 
+@pytest.mark.root
 def test_another_user_cannot_see_or_adopt_the_images(hub: Hub) -> None:
+    assert OTHER is not None
     session = notebook_with_state(hub, USER)
     kernel_id = session["kernel"]["id"]
     hub.stop_server(USER)
