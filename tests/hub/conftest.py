@@ -63,7 +63,12 @@ c.JupyterHub.authenticator_class = "dummy"
 c.Authenticator.allow_all = True
 c.JupyterHub.spawner_class = "localprocess"
 c.Spawner.cmd = [{singleuser!r}]
-c.Spawner.environment = {{"PATH": {path!r}, "JUPYTERHUB_SINGLEUSER_APP": "jupyter_server"}}
+c.Spawner.environment = {{
+    "PATH": {path!r},
+    "JUPYTERHUB_SINGLEUSER_APP": "jupyter_server",
+    # Server extensions these tests do not use stay off: a quicker start.
+    "JUPYTER_CONFIG_PATH": os.path.join(base, "etc"),
+}}
 c.Spawner.notebook_dir = os.path.join(base, "work", "{{username}}")
 c.Spawner.default_url = "/tree"
 c.Spawner.start_timeout = 180
@@ -166,6 +171,12 @@ class Hub:
             switch=str(self.switch),
         )
         (self.base / "jupyterhub_config.py").write_text(config)
+        etc = self.base / "etc"
+        etc.mkdir(mode=0o755, exist_ok=True)
+        unused = ("jupyterlab", "jupyter_lsp", "notebook_shim", "jupyter_server_terminals")
+        (etc / "jupyter_server_config.json").write_text(
+            json.dumps({"ServerApp": {"jpserver_extensions": dict.fromkeys(unused, False)}})
+        )
         with open(self.log, "wb") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "jupyterhub", "-f", "jupyterhub_config.py"],

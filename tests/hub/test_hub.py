@@ -42,9 +42,9 @@ print(x, float(arr.sum()), counter[0] > start >= before)
 EXPECTED = f"kept through the Hub {float(sum(range(100_000)) * 2)} True"
 
 
-def notebook_with_state(hub: Hub, user: str) -> dict[str, Any]:
+def notebook_with_state(hub: Hub, user: str, path: str) -> dict[str, Any]:
     hub.start_server(user)
-    session = hub.open_notebook(user)
+    session = hub.open_notebook(user, path)
     assert hub.execute(user, session["kernel"]["id"], STATE).strip() == "ready"
     return session
 
@@ -72,8 +72,15 @@ def assert_adopted(hub: Hub, user: str, session: dict[str, Any]) -> None:
     assert hub.server(user, "GET", f"/cedana/kernels/{kernel_id}").json()["state"] == "running"
 
 
+def close_and_stop(hub: Hub, user: str, session: dict[str, Any]) -> None:
+    """Close the notebook (its kernel shuts down: nothing is parked for the next test)."""
+    assert hub.server(user, "DELETE", f"/sessions/{session['id']}").status_code == 204
+    hub.stop_server(user)
+    assert not (hub.root(user) / session["kernel"]["id"]).exists()
+
+
 def test_server_culled_by_the_idle_culler_brings_its_kernel_back(hub: Hub) -> None:
-    session = notebook_with_state(hub, USER)
+    session = notebook_with_state(hub, USER, "culled.ipynb")
     kernel_id = session["kernel"]["id"]
     hub.switch.touch()  # the idle culler starts looking now
     try:
@@ -82,21 +89,21 @@ def test_server_culled_by_the_idle_culler_brings_its_kernel_back(hub: Hub) -> No
         hub.switch.unlink()
     assert_parked(hub, USER, kernel_id)
     assert_adopted(hub, USER, session)
-    hub.stop_server(USER)
+    close_and_stop(hub, USER, session)
 
 
 def test_server_stopped_through_the_hub_api_brings_its_kernel_back(hub: Hub) -> None:
-    session = notebook_with_state(hub, USER)
+    session = notebook_with_state(hub, USER, "stopped.ipynb")
     hub.stop_server(USER)
     assert_parked(hub, USER, session["kernel"]["id"])
     assert_adopted(hub, USER, session)
-    hub.stop_server(USER)
+    close_and_stop(hub, USER, session)
 
 
 @pytest.mark.root
 def test_another_user_cannot_see_or_adopt_the_images(hub: Hub) -> None:
     assert OTHER is not None
-    session = notebook_with_state(hub, USER)
+    session = notebook_with_state(hub, USER, "private.ipynb")
     kernel_id = session["kernel"]["id"]
     hub.stop_server(USER)
     assert_parked(hub, USER, kernel_id)
@@ -117,22 +124,19 @@ def test_another_user_cannot_see_or_adopt_the_images(hub: Hub) -> None:
     assert hub.server(OTHER, "GET", f"/kernels/{kernel_id}").status_code == 404
     hub.stop_server(OTHER)
 
+    assert_parked(hub, USER, kernel_id)
+    assert_adopted(hub, USER, session)
     # Nor can the second user's token reach the first user's server.
-    hub.start_server(USER)
     other_token = hub.token(OTHER)
     assert hub.server(USER, "GET", "/sessions", token=other_token).status_code in (403, 404)
     assert hub.server(USER, "GET", "/cedana/kernels", token=other_token).status_code in (403, 404)
-    hub.stop_server(USER)
-
-    assert_parked(hub, USER, kernel_id)
-    assert_adopted(hub, USER, session)
-    hub.stop_server(USER)
+    close_and_stop(hub, USER, session)
 
 
 def test_server_killed_with_sigkill_leaves_images_for_gc(hub: Hub) -> None:
     """A killed server cannot park: its running kernels die with it (their watcher sees
     it go), and the images of its suspended kernels stay until `jupyter cedana gc`."""
-    session = notebook_with_state(hub, USER)
+    session = notebook_with_state(hub, USER, "killed.ipynb")
     running = session["kernel"]["id"]
     suspended = hub.open_notebook(USER, "other.ipynb")["kernel"]["id"]
     r = hub.server(USER, "POST", f"/cedana/kernels/{suspended}/suspend")
@@ -145,15 +149,23 @@ def test_server_killed_with_sigkill_leaves_images_for_gc(hub: Hub) -> None:
     assert not (hub.root(USER) / running / "manifest.json").exists()
     assert (hub.root(USER) / suspended / "manifest.json").is_file()
 
-    home, root = pwd.getpwnam(USER).pw_dir, str(hub.root(USER))
-    gc = subprocess.run(
-        [str(NONROOT_BIN / "jupyter-cedana"), "gc", "--dry-run", "--json", "--root", root],
-        user=USER,
+    # The user's gc, as they would run it after such a crash, finds it and removes it.
+    dry_run = gc(hub, USER, "--dry-run")
+    assert ("image", suspended) in dry_run
+    assert (hub.root(USER) / suspended / "manifest.json").is_file()
+    assert ("image", suspended) in gc(hub, USER, "--yes")
+    assert not (hub.root(USER) / suspended).exists()
+
+
+def gc(hub: Hub, user: str, *args: str) -> set[tuple[str, str]]:
+    home, root = pwd.getpwnam(user).pw_dir, str(hub.root(user))
+    done = subprocess.run(
+        [str(NONROOT_BIN / "jupyter-cedana"), "gc", "--json", "--root", root, *args],
+        user=user,
         env={"HOME": home, "PATH": f"{NONROOT_BIN}:/usr/bin:/bin"},
         capture_output=True,
         text=True,
         timeout=120,
     )
-    assert gc.returncode == 0, gc.stderr
-    found = {(i["kind"], i["kernel_id"]) for i in json.loads(gc.stdout)["removed"]}
-    assert ("image", suspended) in found
+    assert done.returncode == 0, done.stderr
+    return {(i["kind"], i["kernel_id"]) for i in json.loads(done.stdout)["removed"]}
