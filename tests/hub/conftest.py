@@ -33,7 +33,9 @@ from tornado.httpclient import HTTPRequest
 from tornado.websocket import websocket_connect
 
 REPO = Path(__file__).resolve().parents[2]
-NONROOT_BIN = REPO / ".venv-nonroot" / "bin"
+# The servers' environment: as root, the virtualenv the test users can read
+# (scripts/setup-nonroot.sh); as an ordinary user, this one.
+NONROOT_BIN = REPO / ".venv-nonroot" / "bin" if os.geteuid() == 0 else Path(sys.executable).parent
 PROXY = REPO / ".hub-node" / "node_modules" / ".bin" / "configurable-http-proxy"
 # As root (CI), the Hub spawns servers as the two test users; run as an ordinary user
 # (scripts/test.sh's non-root pass) it can only spawn that user's own server.
