@@ -159,6 +159,15 @@ class CheckpointEngine(SingletonConfigurable):
         config=True
     )
 
+    criu_plugin_dir = Unicode(
+        "",
+        help="Directory CRIU loads its plugins from (criu --libdir). Empty: none, through an "
+        "empty directory under the checkpoint root; CRIU's default (/usr/lib/criu) and "
+        "CRIU_LIBS_DIR are never used. In particular CRIU's cuda_plugin.so must not run: it "
+        "would restore and unlock a kernel's GPU memory behind jupyter-cedana's back (GPU "
+        "checkpointing is off while the directory holds it).",
+    ).tag(config=True)
+
     gpu = Bool(
         True,
         help="Watch GPU use through NVML and checkpoint GPU memory through the CUDA driver "
@@ -195,12 +204,33 @@ class CheckpointEngine(SingletonConfigurable):
                 await self._cuda.start()
             except Exception as e:
                 self.log.warning("CUDA checkpoint helper failed to start: %s", e)
+        if self._plugin_conflict() is not None:
+            return None
         return self._cuda if self._cuda is not None and self._cuda.available else None
 
     def cuda_status(self) -> tuple[bool, str | None]:
+        conflict = self._plugin_conflict()
+        if conflict is not None:
+            return False, conflict
         if self._cuda is None:
             return False, "CUDA checkpoint helper not started"
         return bool(self._cuda.available), self._cuda.reason
+
+    def _plugin_conflict(self) -> str | None:
+        if self.criu_plugin_dir and (Path(self.criu_plugin_dir) / "cuda_plugin.so").exists():
+            return (
+                f"CheckpointEngine.criu_plugin_dir ({self.criu_plugin_dir}) holds CRIU's "
+                "cuda_plugin.so, which restores GPU memory by itself and breaks resume"
+            )
+        return None
+
+    def plugin_dir(self) -> str:
+        """The directory given to criu --libdir: the configured one, or an empty one."""
+        if self.criu_plugin_dir:
+            return self.criu_plugin_dir
+        empty = self.store.ensure_root() / ".criu-plugins"
+        empty.mkdir(mode=0o700, exist_ok=True)
+        return str(empty)
 
     async def close(self) -> None:
         if self._cuda is not None:
@@ -280,7 +310,9 @@ class CheckpointEngine(SingletonConfigurable):
         return info
 
     def _base_args(self, info: EngineInfo) -> list[str]:
-        args = [info.criu_path or "criu"]
+        # An explicit plugin directory: a distribution's cuda_plugin.so would otherwise
+        # restore and unlock the GPU state itself during `criu restore`.
+        args = [info.criu_path or "criu", "--libdir", self.plugin_dir()]
         if os.geteuid() != 0:
             args.append("--unprivileged")
         return args
