@@ -28,6 +28,7 @@ from .errors import EngineUnavailable, ResumeFailed, SuspendFailed
 
 MIN_CRIU = (4, 2)
 _PACKAGE_BIN = Path(__file__).parent / "bin"
+_NO_PLUGINS = Path(__file__).parent / "criu_plugins"  # holds no .so: CRIU loads nothing
 
 ProgressCallback = Callable[[str, int | None, int | None], None]
 
@@ -161,9 +162,9 @@ class CheckpointEngine(SingletonConfigurable):
 
     criu_plugin_dir = Unicode(
         "",
-        help="Directory CRIU loads its plugins from (criu --libdir). Empty: none, through an "
-        "empty directory under the checkpoint root; CRIU's default (/usr/lib/criu) and "
-        "CRIU_LIBS_DIR are never used. In particular CRIU's cuda_plugin.so must not run: it "
+        help="Directory CRIU loads its plugins from (criu --libdir). Empty: none (a directory "
+        "of the package without plugins); CRIU's default (/usr/lib/criu) and CRIU_LIBS_DIR "
+        "are never used. In particular CRIU's cuda_plugin.so must not run: it "
         "would restore and unlock a kernel's GPU memory behind jupyter-cedana's back (GPU "
         "checkpointing is off while the directory holds it).",
     ).tag(config=True)
@@ -225,12 +226,8 @@ class CheckpointEngine(SingletonConfigurable):
         return None
 
     def plugin_dir(self) -> str:
-        """The directory given to criu --libdir: the configured one, or an empty one."""
-        if self.criu_plugin_dir:
-            return self.criu_plugin_dir
-        empty = self.store.ensure_root() / ".criu-plugins"
-        empty.mkdir(mode=0o700, exist_ok=True)
-        return str(empty)
+        """The directory given to criu --libdir: the configured one, or one without plugins."""
+        return self.criu_plugin_dir or str(_NO_PLUGINS)
 
     async def close(self) -> None:
         if self._cuda is not None:

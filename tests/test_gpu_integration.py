@@ -741,7 +741,6 @@ def full_disk(tmp_path: Path):
     subprocess.run(["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(mnt)], check=True)
     try:
         (mnt / "root").mkdir(mode=0o700)
-        (mnt / "root" / ".criu-plugins").mkdir(mode=0o700)
         i = 0
         while True:
             try:

@@ -94,6 +94,23 @@ static int restore_thread(int pid)
 	return found;
 }
 
+/* The process a thread id belongs to (the driver takes any thread of a process for
+ * the process, NVIDIA/cuda-checkpoint#41); `tid` itself when unknown. */
+static int tgid_of(int tid)
+{
+	char path[64], line[256];
+	snprintf(path, sizeof(path), "/proc/%d/status", tid);
+	FILE *f = fopen(path, "r");
+	int tgid = tid;
+	if (!f)
+		return tid;
+	while (fgets(line, sizeof(line), f))
+		if (strncmp(line, "Tgid:", 5) == 0)
+			tgid = atoi(line + 5);
+	fclose(f);
+	return tgid > 0 ? tgid : tid;
+}
+
 /* 1 when every thread of `pid` but `except` is stopped. */
 static int frozen_but(int pid, int except)
 {
@@ -258,7 +275,7 @@ static CUresult run_op(const char *op, int pid, step_fn step, void *arg)
 	}
 	if (fg_load(&s, &fd) != 0)
 		return CUDA_ERROR_NOT_INITIALIZED;
-	struct fg_proc *p = pid > 0 ? fg_find_proc(&s, pid) : NULL;
+	struct fg_proc *p = pid > 0 ? fg_find_proc(&s, tgid_of(pid)) : NULL;
 	struct fg_err *e = fg_find_err(&s, op, pid, 0);
 	if (pid <= 0 || kill(pid, 0) != 0) {
 		rc = CUDA_ERROR_INVALID_VALUE; /* no such process */

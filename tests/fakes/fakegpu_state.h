@@ -33,6 +33,9 @@
  * broke CPU-only kernels) for such a process and CUDA_ERROR_INVALID_VALUE for a pid
  * that does not exist; tests set `noncuda` to each candidate.
  *
+ * A thread id given for a pid stands for its process, as with the real driver
+ * (NVIDIA/cuda-checkpoint#41: "threads are listed in /proc ... and can be used").
+ *
  * The restore thread. A real CUDA process has a driver thread (named cuda + hex
  * digits) through which cuCheckpointProcessRestore acts: the call cannot complete
  * while that thread is stopped, which is why CRIU's cuda plugin (and the helper's
