@@ -313,13 +313,10 @@ class Checkpointing(GpuSteps):
                 await verify
             pid = await restored
             await verify
-            root = pid
-            await self._continue_restored(
-                pid,
-                before=(lambda: self._restore_gpu_frozen(gpu, gpu_state, root, plan))
-                if gpu_state and gpu is not None
-                else None,
-            )
+            before, after = self._gpu_restore_step(gpu, gpu_state, pid, plan)
+            await self._continue_restored(pid, before=before)
+            if after is not None:
+                await after()
         except BaseException as caught:
             # Whatever was restored must not run on: its image or its GPU memory is wrong.
             err: BaseException = caught

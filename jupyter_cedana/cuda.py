@@ -115,6 +115,14 @@ class CudaCheckpointer(CudaHelper):
     meminfo_path = Unicode(
         "/proc/meminfo", config=True, help="Where the host memory check reads MemAvailable."
     )
+    restore_frozen = Bool(
+        True,
+        config=True,
+        help="Restore the GPU memory of a kernel restored from disk while it is still "
+        "stopped, letting only the driver's restore thread run (ptrace), as CRIU's cuda "
+        "plugin does, so that none of its code runs before its device memory is back. "
+        "Off: restore it right after the kernel was continued.",
+    )
     monitor = Instance(
         GpuMonitor, allow_none=True, help="GPU monitor for preflight, bytes freed and admission."
     )

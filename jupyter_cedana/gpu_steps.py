@@ -6,6 +6,7 @@ kernel cannot be put back (mixed into the provisioner through Checkpointing).
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from .cuda import CudaStateLeft
@@ -42,12 +43,24 @@ class GpuSteps(TransitionMachine):
             return e.message
         return None
 
-    async def _restore_gpu_frozen(
-        self, gpu: Any, gpu_state: dict[str, Any], root: int, plan: Any
-    ) -> None:
-        """GPU memory back into a CRIU-restored tree while it is still stopped, as CRIU's
-        cuda plugin does: nothing of the kernel runs before its device memory is back."""
-        self._set_progress("gpu-restore", None, None)
-        await gpu.restore(
-            gpu_state, process_tree(root), admission=plan, progress=self._gpu_progress, frozen=True
-        )
+    def _gpu_restore_step(
+        self, gpu: Any, gpu_state: dict[str, Any] | None, root: int, plan: Any
+    ) -> tuple[Callable[[], Awaitable[None]] | None, Callable[[], Awaitable[None]] | None]:
+        """The GPU restore of a CRIU-restored tree, as (before, after) it is continued:
+        before by default, as CRIU's cuda plugin does, so that nothing of the kernel runs
+        before its device memory is back (CudaCheckpointer.restore_frozen)."""
+        if not gpu_state or gpu is None:
+            return None, None
+        frozen = bool(gpu.restore_frozen)
+
+        async def step() -> None:
+            self._set_progress("gpu-restore", None, None)
+            await gpu.restore(
+                gpu_state,
+                process_tree(root),
+                admission=plan,
+                progress=self._gpu_progress,
+                frozen=frozen,
+            )
+
+        return (step, None) if frozen else (None, step)

@@ -864,3 +864,22 @@ async def test_offload_refused_without_host_memory(
     await prov.suspend(tier="offload")
     await prov.resume()
     await assert_kernel_answers(km, "print('fits')", "fits")
+
+
+async def test_gpu_restore_after_continue_when_configured(
+    gpu_kernel: Any, spy: FakeGpu, checkpoint_root: Path
+) -> None:
+    """CudaCheckpointer.restore_frozen off (for a driver on which the thaw fails): the GPU
+    memory goes back right after the restored kernel was continued."""
+    km = gpu_kernel
+    prov = km.provisioner
+    await run(km.test_client, "x = 41")
+    await prov.suspend(tier="disk")
+    gpu = await prov.engine.cuda_checkpointer()
+    gpu.restore_frozen = False
+    spy.clear_log()
+    await prov.resume()
+    (restore,) = [c for c in spy.calls() if c.startswith("restore ")]
+    assert " rc=0 by=cedana-cuda frozen=0" in restore
+    assert spy.proc_by_id(GPU_ID)["state"] == "running"
+    await assert_kernel_answers(km, "print(x + 1)", "42")
