@@ -62,7 +62,11 @@ def test_machine_memory_when_no_cgroup_limits(tmp_path: Path) -> None:
     assert host_room(9, proc=tmp_path / "nothing") is None
 
 
-def test_this_machine() -> None:
-    room = host_room(os.getpid())
-    avail = mem_available()
+def test_this_machine(tmp_path: Path) -> None:
+    """This machine's cgroups (read live) against a snapshot of its /proc/meminfo."""
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text(Path("/proc/meminfo").read_text())
+    room = host_room(os.getpid(), meminfo=meminfo)
+    avail = mem_available(meminfo)
     assert room is not None and avail is not None and 0 < room.bytes <= avail
+    assert room.source == "MemAvailable of the machine" or room.source.startswith("cgroup /")

@@ -539,6 +539,18 @@ async def test_checkpoint_error_after_lock_unlocks(
     await assert_refused_and_running(km, spy, checkpoint_root, pids)
 
 
+async def make_criu_refuse(km: Any) -> None:
+    """The kernel holds a deleted file bigger than the ghost limit: CRIU refuses to dump it
+    (and x = 41)."""
+    km.provisioner.engine.ghost_limit = 1 << 20
+    reply, out = await run(
+        km.test_client,
+        "import os, tempfile; g = tempfile.NamedTemporaryFile(dir='.', delete=False); "
+        "g.write(b'x' * (2 << 20)); g.flush(); os.unlink(g.name); x = 41",
+    )
+    assert reply["status"] == "ok", out
+
+
 async def test_dump_failure_after_gpu_checkpoint_restores_gpu(
     gpu_kernel: Any, spy: FakeGpu, checkpoint_root: Path
 ) -> None:
@@ -546,13 +558,7 @@ async def test_dump_failure_after_gpu_checkpoint_restores_gpu(
     kernel runs on (a deleted open file over the ghost limit makes CRIU refuse)."""
     km = gpu_kernel
     prov = km.provisioner
-    prov.engine.ghost_limit = 1 << 20
-    reply, out = await run(
-        km.test_client,
-        "import os, tempfile; g = tempfile.NamedTemporaryFile(dir='.', delete=False); "
-        "g.write(b'x' * (2 << 20)); g.flush(); os.unlink(g.name); x = 41",
-    )
-    assert reply["status"] == "ok", out
+    await make_criu_refuse(km)
     pids = process_tree(prov.pid)
     with pytest.raises(SuspendFailed, match="CRIU dump failed"):
         await prov.suspend(tier="disk")
@@ -781,13 +787,7 @@ async def test_gpu_memory_taken_during_a_failed_dump(
     kept in host memory; once the GPU has room a resume brings it back."""
     km = gpu_kernel
     prov = km.provisioner
-    prov.engine.ghost_limit = 1 << 20
-    reply, out = await run(
-        km.test_client,
-        "import os, tempfile; g = tempfile.NamedTemporaryFile(dir='.', delete=False); "
-        "g.write(b'x' * (2 << 20)); g.flush(); os.unlink(g.name); x = 41",
-    )
-    assert reply["status"] == "ok", out
+    await make_criu_refuse(km)
     dump = CheckpointEngine.dump
 
     async def dump_while_the_gpu_fills(self: Any, *a: Any, **kw: Any) -> Any:
