@@ -19,6 +19,7 @@ from typing import Any
 
 from traitlets import Bool, Instance, Int, Unicode
 
+from .admission import admission_plan
 from .cuda_helper import CudaCallError, CudaHelper, cuda_version
 from .errors import (
     CedanaError,
@@ -355,34 +356,7 @@ class CudaCheckpointer(CudaHelper):
         if m is None or not m.available:
             self.log.warning("GPU restore admission skipped: no NVML to check free memory")
             return {d["uuid"]: d["uuid"] for d in needs}
-        devices = {d["uuid"]: d for d in m.devices()}
-        room = {u: d["memory_free"] - self.restore_headroom_bytes for u, d in devices.items()}
-        plan: dict[str, str] = {}
-        for need in sorted(needs, key=lambda d: -int(d.get("memory_bytes") or 0)):
-            uuid, mem, name = need["uuid"], int(need.get("memory_bytes") or 0), need.get("name")
-            if uuid in devices and room[uuid] >= mem:
-                target = uuid
-            else:
-                others = [
-                    u
-                    for u, d in devices.items()
-                    if u != uuid and d["name"] == name and not d.get("mig") and room[u] >= mem
-                ]
-                if not others:
-                    here = (
-                        f"{max(0, room[uuid]) / GiB:.2f} GiB free (after headroom) there"
-                        if uuid in devices
-                        else "that GPU is gone"
-                    )
-                    raise InsufficientGpuMemory(
-                        f"Not enough free GPU memory to restore {mem / GiB:.2f} GiB onto "
-                        f"{name} {uuid}: {here}, and no other {name} has room; the kernel "
-                        "stays suspended"
-                    )
-                target = max(others, key=lambda u: room[u])
-            room[target] -= mem
-            plan[uuid] = target
-        return plan
+        return admission_plan(needs, m.devices(), self.restore_headroom_bytes)
 
     async def restore(
         self,
