@@ -307,9 +307,7 @@ class CheckpointEngine(SingletonConfigurable):
         return info
 
     def _base_args(self, info: EngineInfo) -> list[str]:
-        # An explicit plugin directory: a distribution's cuda_plugin.so would otherwise
-        # restore and unlock the GPU state itself during `criu restore`.
-        args = [info.criu_path or "criu", "--libdir", self.plugin_dir()]
+        args = [info.criu_path or "criu"]
         if os.geteuid() != 0:
             args.append("--unprivileged")
         return args
@@ -329,6 +327,10 @@ class CheckpointEngine(SingletonConfigurable):
         cmd = [
             *self._base_args(info),
             "dump",
+            # An explicit plugin directory: a distribution's cuda_plugin.so would otherwise
+            # checkpoint, and at restore restore and unlock, the GPU state by itself.
+            "--libdir",
+            self.plugin_dir(),
             "-t",
             str(pid),
             "-D",
@@ -399,6 +401,8 @@ class CheckpointEngine(SingletonConfigurable):
             "--",
             *self._base_args(info),
             "restore",
+            "--libdir",
+            self.plugin_dir(),
             "-D",
             str(images),
             "-W",

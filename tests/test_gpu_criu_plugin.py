@@ -104,17 +104,11 @@ async def test_cuda_plugin_present_does_not_break_resume(
 async def test_control_the_plugin_acts_without_an_explicit_libdir(
     gpu_kernel: Any, plugin_world: FakeGpu, checkpoint_root: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The same world with criu run as before (no --libdir): the plugin takes the GPU
-    restore over and ours finds nothing left to restore. This is what the test above
+    """The same world with criu loading plugins from where the plugin is, as CRIU does by
+    itself without --libdir (from CRIU_LIBS_DIR or /usr/lib/criu): the plugin takes the
+    GPU restore over and ours finds nothing left to restore. This is what the test above
     would meet if the plugin directory were not explicit."""
-    base_args = CheckpointEngine._base_args
-
-    def without_libdir(self: Any, info: Any) -> list[str]:
-        args = base_args(self, info)
-        i = args.index("--libdir")
-        return args[:i] + args[i + 2 :]
-
-    monkeypatch.setattr(CheckpointEngine, "_base_args", without_libdir)
+    monkeypatch.setattr(CheckpointEngine, "plugin_dir", lambda self: os.environ["CRIU_LIBS_DIR"])
     km = gpu_kernel
     prov = km.provisioner
     await prov.suspend(tier="disk")
