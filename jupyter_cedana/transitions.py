@@ -17,6 +17,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from .errors import Conflict
+
 
 class KernelState(str, enum.Enum):
     running = "running"
@@ -68,6 +70,7 @@ class TransitionMachine:
         self._lock = asyncio.Lock()
         self._inflight: tuple[str, asyncio.Future[Any]] | None = None
         self._listeners: list[Listener] = []
+        self._aborted: str | None = None
 
     def add_listener(self, listener: Listener) -> None:
         """Called with (provisioner, what) on every state or progress change."""
@@ -101,21 +104,49 @@ class TransitionMachine:
 
     async def _once(self, kind: str, work: Callable[[], Awaitable[Any]]) -> Any:
         """Run a transition under the kernel's lock; a concurrent request for the same
-        transition waits for the running one and gets its result."""
+        transition waits for the running one and gets its result. The transition runs as
+        its own task, so that a shutdown or restart can abort it (_abort_transition)."""
         if self._inflight is not None and self._inflight[0] == kind:
-            return await asyncio.shield(self._inflight[1])
+            return await self._join(self._inflight[1])
         async with self._lock:
-            fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-            self._inflight = (kind, fut)
+            self._aborted = None
+            task = asyncio.ensure_future(work())
+            self._inflight = (kind, task)
             try:
-                result = await work()
-            except BaseException as e:
-                fut.set_exception(e)
-                # Nobody else may be waiting: retrieve the exception so asyncio stays quiet.
-                fut.exception()
-                raise
-            else:
-                fut.set_result(result)
-                return result
+                return await self._join(task, owner=True)
             finally:
                 self._inflight = None
+
+    async def _join(self, task: asyncio.Future[Any], owner: bool = False) -> Any:
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            if not task.done():
+                if not owner:
+                    raise  # a joiner gave up; the transition goes on for the others
+                # The caller was cancelled: so is its transition, which rolls back first.
+                task.cancel()
+                await asyncio.wait({task})
+                raise
+            if task.cancelled():
+                raise Conflict(
+                    self._aborted or f"Kernel {self._kid()}: transition cancelled"
+                ) from None
+            raise
+
+    async def _abort_transition(self, why: str) -> None:
+        """Cancel the transition in flight, if any, and wait until it has rolled back
+        (a suspend leaves the kernel running, a resume leaves it suspended)."""
+        inflight = self._inflight
+        if inflight is None or inflight[1].done():
+            return
+        self.log.info("Aborting %s of kernel %s: %s", inflight[0], self._kid(), why)
+        self._aborted = why
+        inflight[1].cancel()
+        await asyncio.wait({inflight[1]})
+        # The lock is released right after the task: let that happen before going on.
+        async with self._lock:
+            pass
+
+    def _kid(self) -> str:
+        return str(getattr(self, "kernel_id", "?"))
