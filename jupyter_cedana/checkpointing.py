@@ -83,7 +83,9 @@ class Checkpointing(TransitionMachine):
     def _refuse_while_shutting_down(self) -> None:
         # A shutdown or restart aborts the transition in flight; none may start after it.
         if getattr(self.parent, "shutting_down", False):
-            raise Conflict(f"Kernel {self.kernel_id} is shutting down or restarting")
+            raise Conflict(
+                f"Kernel {self.kernel_id} is not running: it is shutting down or restarting"
+            )
 
     async def _suspend(self, tier: str) -> dict[str, Any]:
         if self.state == KernelState.suspended and (self.tier == tier or tier == "offload"):

@@ -9,7 +9,6 @@ import os
 from pathlib import Path
 
 KERNELSIDE = Path(__file__).parent / "kernelside"
-PIDNS_KERNEL_CLASS = "cedana_pidns_kernel.PidNamespaceIPythonKernel"
 
 
 def has_option(cmd: list[str], name: str) -> bool:
@@ -23,20 +22,16 @@ def is_ipykernel(cmd: list[str]) -> bool:
     return any("ipykernel" in part for part in cmd)
 
 
-def ipykernel_options(
-    cmd: list[str], env: dict[str, str], *, history_in_memory: bool, pidns: bool
-) -> list[str]:
-    """Add our IPython options to an ipykernel command line, never over the client's own;
-    `env` gets what the kernel-side class needs to import."""
-    if not is_ipykernel(cmd):
-        return cmd
-    extra = []
-    if history_in_memory and not has_option(cmd, "HistoryManager.hist_file"):
-        extra.append("--HistoryManager.hist_file=:memory:")
-    if pidns and not has_option(cmd, "IPKernelApp.kernel_class"):
-        extra.append(f"--IPKernelApp.kernel_class={PIDNS_KERNEL_CLASS}")
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(KERNELSIDE), env.get("PYTHONPATH")]))
-    return [*cmd, *extra]
+def ipykernel_options(cmd: list[str], *, history_in_memory: bool) -> list[str]:
+    """Add our IPython options to an ipykernel command line, never over the client's own."""
+    if history_in_memory and is_ipykernel(cmd) and not has_option(cmd, "HistoryManager.hist_file"):
+        return [*cmd, "--HistoryManager.hist_file=:memory:"]
+    return cmd
+
+
+def pidns_environment(env: dict[str, str]) -> None:
+    """Python kernels in a PID namespace load kernelside/sitecustomize.py (see there)."""
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(KERNELSIDE), env.get("PYTHONPATH")]))
 
 
 def check_executable(

@@ -23,7 +23,7 @@ from jupyter_client.provisioning import LocalProvisioner
 
 from .checkpointing import Checkpointing
 from .errors import Conflict
-from .launch import check_executable, ipykernel_options
+from .launch import check_executable, ipykernel_options, pidns_environment
 from .proctree import process_tree
 from .transitions import KernelState, Listener, Progress, TransitionMachine
 
@@ -66,9 +66,9 @@ class CedanaProvisioner(Checkpointing, TransitionMachine, LocalProvisioner):  # 
         kw = LocalProvisioner._scrub_kwargs(kwargs)
         env = dict(kw.pop("env", None) or os.environ)
         check_executable(cmd, env, kw.get("cwd"))
-        cmd = ipykernel_options(
-            cmd, env, history_in_memory=engine.ipython_history_in_memory, pidns=engine.pidns
-        )
+        cmd = ipykernel_options(cmd, history_in_memory=engine.ipython_history_in_memory)
+        if engine.pidns:
+            pidns_environment(env)
         wrapped += ["--pidfile", str(pidfile), "--", *cmd]
         # ipykernel polls this PID and exits when it changes, which it does after a restore.
         env.pop("JPY_PARENT_PID", None)
