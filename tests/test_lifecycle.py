@@ -74,6 +74,33 @@ def restored_root(checkpoint_root: Path, kernel_id: str) -> int:
     return int((checkpoint_root / ".work" / kernel_id / "restored.pid.held").read_text())
 
 
+async def held_suspend(km: Any, hold: Any, point: str) -> asyncio.Future[Any]:
+    """A suspend of `km`, held by criu_hold at dump/POINT."""
+    hold.attach(km.provisioner.engine)
+    hold.arm("dump", point)
+    task = asyncio.ensure_future(km.provisioner.suspend())
+    await hold.wait_reached("dump", point)
+    return task
+
+
+async def held_resume(
+    km: Any, hold: Any, checkpoint_root: Path, point: str = "after"
+) -> tuple[asyncio.Future[Any], set[int]]:
+    """Suspend `km`, then a resume held at restore/POINT, and the restored tree's
+    processes when there is one (not yet continued: CRIU leaves it stopped)."""
+    prov = km.provisioner
+    hold.attach(prov.engine)
+    await prov.suspend()
+    hold.arm("restore", point)
+    task = asyncio.ensure_future(prov.resume())
+    await hold.wait_reached("restore", point)
+    if point == "before":
+        return task, set()
+    restored = process_tree(restored_root(checkpoint_root, km.kernel_id))
+    assert restored
+    return task, restored
+
+
 # -- restart or shutdown while a suspend is in flight --------------------------------------
 
 
@@ -82,13 +109,10 @@ async def test_restart_during_dump_runs_a_fresh_kernel(
     kernel, criu_hold, checkpoint_root: Path, point: str
 ) -> None:
     prov = kernel.provisioner
-    criu_hold.attach(prov.engine)
     await run(kernel.test_client, "x = 1")
     old = kernel_pids(kernel)
-    criu_hold.arm("dump", point)
-    suspend = asyncio.ensure_future(prov.suspend())
+    suspend = await held_suspend(kernel, criu_hold, point)
     joiner = asyncio.ensure_future(prov.suspend())
-    await criu_hold.wait_reached("dump", point)
     assert prov.state == KernelState.suspending
 
     await kernel.restart_kernel()
@@ -108,23 +132,24 @@ async def test_restart_during_dump_runs_a_fresh_kernel(
 async def test_shutdown_during_dump_leaves_nothing(
     kernel, criu_hold, checkpoint_root: Path, point: str
 ) -> None:
-    prov = kernel.provisioner
-    criu_hold.attach(prov.engine)
     old = kernel_pids(kernel)
-    ports = prov._ports()
-    criu_hold.arm("dump", point)
-    suspend = asyncio.ensure_future(prov.suspend())
-    await criu_hold.wait_reached("dump", point)
+    ports = kernel.provisioner._ports()
+    suspend = await held_suspend(kernel, criu_hold, point)
 
     await kernel.shutdown_kernel()
     with pytest.raises(Conflict, match="shutting down"):
         await suspend
     assert await gone(old) == set()
+    assert_nothing_left(kernel, checkpoint_root, ports)
+    with pytest.raises(Conflict):
+        await kernel.provisioner.suspend()
+
+
+def assert_nothing_left(km: Any, checkpoint_root: Path, ports: list[int]) -> None:
     assert image_dirs(checkpoint_root) == []
     assert list((checkpoint_root / ".logs").iterdir()) == []
+    assert not (checkpoint_root / ".work" / km.kernel_id).exists()
     assert all(port_free(p) for p in ports)
-    with pytest.raises(Conflict):
-        await prov.suspend()
 
 
 # -- restart or shutdown while a resume is in flight ---------------------------------------
@@ -133,20 +158,13 @@ async def test_shutdown_during_dump_leaves_nothing(
 async def test_restart_during_restore_runs_a_fresh_kernel(
     kernel, criu_hold, checkpoint_root: Path
 ) -> None:
-    prov = kernel.provisioner
-    criu_hold.attach(prov.engine)
     await run(kernel.test_client, "x = 1")
-    await prov.suspend()
-    criu_hold.arm("restore", "after")
-    resume = asyncio.ensure_future(prov.resume())
-    await criu_hold.wait_reached("restore", "after")
-    restored = process_tree(restored_root(checkpoint_root, kernel.kernel_id))
-    assert restored and all(proc_state(p) == "T" for p in restored)
+    resume, restored = await held_resume(kernel, criu_hold, checkpoint_root)
 
     await kernel.restart_kernel()
     with pytest.raises(Conflict, match="restarting"):
         await resume
-    assert prov.state == KernelState.running
+    assert kernel.provisioner.state == KernelState.running
     assert await gone(restored) == set()
     assert image_dirs(checkpoint_root) == []
     assert await fresh_namespace(kernel)
@@ -156,37 +174,28 @@ async def test_restart_during_restore_runs_a_fresh_kernel(
 async def test_shutdown_during_restore_leaves_nothing(
     kernel, criu_hold, checkpoint_root: Path, point: str
 ) -> None:
-    prov = kernel.provisioner
-    criu_hold.attach(prov.engine)
-    ports = prov._ports()
-    await prov.suspend()
-    criu_hold.arm("restore", point)
-    resume = asyncio.ensure_future(prov.resume())
-    await criu_hold.wait_reached("restore", point)
-    restored = (
-        process_tree(restored_root(checkpoint_root, kernel.kernel_id))
-        if point == "after"
-        else set()
-    )
+    ports = kernel.provisioner._ports()
+    resume, restored = await held_resume(kernel, criu_hold, checkpoint_root, point)
 
     await kernel.shutdown_kernel()
     with pytest.raises(Conflict, match="shutting down"):
         await resume
     assert await gone(restored) == set()
-    assert image_dirs(checkpoint_root) == []
-    assert list((checkpoint_root / ".logs").iterdir()) == []
-    assert not (checkpoint_root / ".work" / kernel.kernel_id).exists()
-    assert all(port_free(p) for p in ports)
+    assert_nothing_left(kernel, checkpoint_root, ports)
     assert not await kernel.is_alive()
 
 
 # -- dumps that time out or are cancelled: the kernel runs on ------------------------------
 
 
-def assert_running_not_stopped(km: Any, pids: set[int]) -> None:
+async def assert_runs_on(km: Any, pids: set[int], checkpoint_root: Path) -> None:
+    """Running as before the suspend was tried, with no task left stopped, and it works."""
     assert km.provisioner.state == KernelState.running
     assert kernel_pids(km) == pids
     assert {p: proc_state(p) for p in pids if proc_state(p) == "T"} == {}
+    assert image_dirs(checkpoint_root) == []
+    _reply, out = await run(km.test_client, "print(y * 6)")
+    assert out.strip() == "42"
 
 
 async def test_dump_timeout_leaves_kernel_running(kernel, criu_hold, checkpoint_root) -> None:
@@ -201,43 +210,28 @@ async def test_dump_timeout_leaves_kernel_running(kernel, criu_hold, checkpoint_
     with pytest.raises(SuspendFailed, match="longer than"):
         await prov.suspend()
     assert criu_hold.reached("dump", "after")
-    assert_running_not_stopped(kernel, pids)
-    assert image_dirs(checkpoint_root) == []
-    _reply, out = await run(kernel.test_client, "print(y * 6)")
-    assert out.strip() == "42"
+    await assert_runs_on(kernel, pids, checkpoint_root)
 
 
 @pytest.mark.parametrize("point", ["before", "after"])
 async def test_cancelled_dump_leaves_kernel_running(
     kernel, criu_hold, checkpoint_root, point: str
 ) -> None:
-    prov = kernel.provisioner
-    criu_hold.attach(prov.engine)
-    await run(kernel.test_client, "y = 8")
+    await run(kernel.test_client, "y = 7")
     pids = kernel_pids(kernel)
-    criu_hold.arm("dump", point)
-    suspend = asyncio.ensure_future(prov.suspend())
-    await criu_hold.wait_reached("dump", point)
+    suspend = await held_suspend(kernel, criu_hold, point)
     suspend.cancel()
     with pytest.raises(asyncio.CancelledError):
         await suspend
-    assert_running_not_stopped(kernel, pids)
-    assert image_dirs(checkpoint_root) == []
-    _reply, out = await run(kernel.test_client, "print(y * 6)")
-    assert out.strip() == "48"
+    await assert_runs_on(kernel, pids, checkpoint_root)
 
 
 async def test_cancelled_restore_keeps_the_kernel_suspended(
     kernel, criu_hold, checkpoint_root
 ) -> None:
     prov = kernel.provisioner
-    criu_hold.attach(prov.engine)
     await run(kernel.test_client, "w = 'kept'")
-    await prov.suspend()
-    criu_hold.arm("restore", "after")
-    resume = asyncio.ensure_future(prov.resume())
-    await criu_hold.wait_reached("restore", "after")
-    restored = process_tree(restored_root(checkpoint_root, kernel.kernel_id))
+    resume, restored = await held_resume(kernel, criu_hold, checkpoint_root)
     resume.cancel()
     with pytest.raises(asyncio.CancelledError):
         await resume
