@@ -13,6 +13,8 @@ when there and waits until `release-OP-POINT` exists. Points:
                    engine still waits on the restore.
 
 Every point is passed once per arming: `arm()` again to hold the next operation too.
+Kill the operation (timeout, cancel) only while it is held: the wrapper runs the real
+criu as its child at dump/after, and killing the wrapper then would orphan it.
 """
 
 from __future__ import annotations

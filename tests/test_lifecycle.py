@@ -201,15 +201,12 @@ async def assert_runs_on(km: Any, pids: set[int], checkpoint_root: Path) -> None
 async def test_dump_timeout_leaves_kernel_running(kernel, criu_hold, checkpoint_root) -> None:
     """CRIU has stopped the tree and is killed for taking too long: the tree is continued
     before the kernel is reported running again."""
-    prov = kernel.provisioner
-    criu_hold.attach(prov.engine)
     await run(kernel.test_client, "y = 7")
     pids = kernel_pids(kernel)
-    prov.engine.dump_timeout = 0.5  # the hold never ends by itself: the timeout fires
-    criu_hold.arm("dump", "after")
+    suspend = await held_suspend(kernel, criu_hold, "after")
+    kernel.provisioner.engine.dump_timeout = 0  # read as the engine waits: it fires now
     with pytest.raises(SuspendFailed, match="longer than"):
-        await prov.suspend()
-    assert criu_hold.reached("dump", "after")
+        await suspend
     await assert_runs_on(kernel, pids, checkpoint_root)
 
 
