@@ -380,6 +380,9 @@ class CheckpointEngine(SingletonConfigurable):
                     raise SuspendFailed(f"CRIU dump took longer than {self.dump_timeout:.0f} s")
         except asyncio.CancelledError:
             proc.kill()
+            # The caller continues the tree once CRIU has let go of it (it may have
+            # stopped it), so CRIU must be gone before this returns.
+            await asyncio.shield(wait)
             raise
         finally:
             sums = await asyncio.to_thread(hasher.finish)

@@ -23,6 +23,7 @@ from jupyter_client.provisioning import LocalProvisioner
 
 from .checkpointing import Checkpointing
 from .errors import Conflict
+from .launch import check_executable, ipykernel_options, pidns_environment
 from .pids import KernelPids
 from .proctree import process_tree
 from .transitions import KernelState, Listener, Progress, TransitionMachine
@@ -65,12 +66,13 @@ class CedanaProvisioner(Checkpointing, TransitionMachine, LocalProvisioner):  # 
             wrapped += KernelPids(parent=engine).launch_args()
         if engine.kernels_die_with_server:
             wrapped.append("--die-with-parent")
-        if engine.ipython_history_in_memory and any("ipykernel" in part for part in cmd):
-            cmd = [*cmd, "--HistoryManager.hist_file=:memory:"]
-        wrapped += ["--pidfile", str(pidfile), "--", *cmd]
-
         kw = LocalProvisioner._scrub_kwargs(kwargs)
         env = dict(kw.pop("env", None) or os.environ)
+        check_executable(cmd, env, kw.get("cwd"))
+        cmd = ipykernel_options(cmd, history_in_memory=engine.ipython_history_in_memory)
+        if engine.pidns:
+            pidns_environment(env)
+        wrapped += ["--pidfile", str(pidfile), "--", *cmd]
         # ipykernel polls this PID and exits when it changes, which it does after a restore.
         env.pop("JPY_PARENT_PID", None)
         # A file only this kernel writes: a shared log that grows after a dump would make
@@ -172,11 +174,13 @@ class CedanaProvisioner(Checkpointing, TransitionMachine, LocalProvisioner):  # 
             os.kill(self.pid, signum)
 
     async def kill(self, restart: bool = False) -> None:
+        await self._abort_for_shutdown(restart)
         if self._discard_if_suspended():
             return
         await self._signal_quietly(signal.SIGKILL)
 
     async def terminate(self, restart: bool = False) -> None:
+        await self._abort_for_shutdown(restart)
         if self._discard_if_suspended():
             return
         await self._signal_quietly(signal.SIGTERM)
@@ -188,8 +192,17 @@ class CedanaProvisioner(Checkpointing, TransitionMachine, LocalProvisioner):  # 
     async def shutdown_requested(self, restart: bool = False) -> None:
         # A suspended kernel cannot answer the shutdown request: finish it here, so that
         # shutdown does not wait out the grace period.
+        await self._abort_for_shutdown(restart)
         self._discard_if_suspended()
         await super().shutdown_requested(restart=restart)
+
+    async def _abort_for_shutdown(self, restart: bool) -> None:
+        """A shutdown or restart ends any suspend or resume in flight first: the old
+        tree either runs on (and gets the shutdown) or is gone, and nothing it does
+        later can touch the kernel started next."""
+        await self._abort_transition(
+            "the kernel is restarting" if restart else "the kernel is shutting down"
+        )
 
     def _discard_if_suspended(self) -> bool:
         if self.state == KernelState.running or self._inflight is not None:
@@ -212,6 +225,8 @@ class CedanaProvisioner(Checkpointing, TransitionMachine, LocalProvisioner):  # 
         return True
 
     async def cleanup(self, restart: bool = False) -> None:
+        await self._abort_for_shutdown(restart)
+        self._discard_if_suspended()
         self._release_ports()
         if not restart:
             store = self.engine.store

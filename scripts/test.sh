@@ -24,6 +24,8 @@ jlpm lint:check
 jlpm test
 step "pytest"
 python -m pytest "$@"
+step "peer conformance: nbclient and jupyter_client kernel suites, cedana-provisioner vs stock"
+bash scripts/conformance.sh
 if [ $# -eq 0 ] && [ "$(id -u)" = 0 ]; then
   # The suspend / resume / transparent-resume tests and the Hub tests again as an
   # ordinary user, with the capability-carrying criu and no PID namespaces (the Hub then
