@@ -33,6 +33,15 @@ def validate_kernel_id(kernel_id: str) -> str:
     return kernel_id
 
 
+def fsync_path(path: Path) -> None:
+    """fsync a file or a directory (a directory's fsync makes its entries durable)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def file_crc32(path: Path, on_bytes: Callable[[int], None] | None = None) -> int:
     """CRC-32 of a file: catches truncation and bit rot at several GB/s, unlike sha256."""
     crc = 0
@@ -180,11 +189,17 @@ class CheckpointStore:
             json.dump(manifest, f, indent=1)
             f.flush()
             os.fsync(f.fileno())
+        # Durable before the caller kills the kernel: the machine, pod or volume may go
+        # away right after (a server parking its kernels on stop).
+        for name in files:
+            fsync_path(tmp / name)
+        fsync_path(tmp)
         final = self.path(kernel_id)
         if final.exists():
             shutil.rmtree(final)
         os.rename(tmp, final)
         os.chmod(final, 0o700)
+        fsync_path(self.root)
         return manifest
 
     def read_manifest(self, kernel_id: str) -> dict[str, Any]:
