@@ -103,10 +103,17 @@ class Adopter:
         self.log = log
 
     async def adopt_all(self) -> AdoptionReport:
+        # Verifying images is most of the work: a few at a time, as the CPUs allow.
+        slots = asyncio.Semaphore(max(1, min(4, os.cpu_count() or 1)))
+
+        async def adopt(path: Path) -> str | None:
+            async with slots:
+                return await self._adopt_path(path)
+
+        paths = list_records(self.store)
         report = AdoptionReport()
-        for path in list_records(self.store):
+        for path, why in zip(paths, await asyncio.gather(*map(adopt, paths)), strict=True):
             kid = path.name[: -len(".json")]
-            why = await self._adopt_path(path)
             if why is None:
                 report.adopted.append(kid)
             else:
