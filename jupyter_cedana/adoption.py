@@ -92,14 +92,15 @@ class Adopter:
         session_manager: Any,
         store: CheckpointStore,
         retention: float,
-        verify_checksums: bool,
+        verify_bytes: int,
         log: Any,
     ):
         self.mkm = kernel_manager
         self.sessions = session_manager
         self.store = store
         self.retention = retention
-        self.verify_checksums = verify_checksums
+        self.verify_bytes = verify_bytes
+        self._verify: set[str] = set()
         self.log = log
 
     async def adopt_all(self) -> AdoptionReport:
@@ -111,6 +112,7 @@ class Adopter:
                 return await self._adopt_path(path)
 
         paths = list_records(self.store)
+        self._plan_verification([p.name[: -len(".json")] for p in paths])
         report = AdoptionReport()
         for path, why in zip(paths, await asyncio.gather(*map(adopt, paths)), strict=True):
             kid = path.name[: -len(".json")]
@@ -119,6 +121,26 @@ class Adopter:
             else:
                 report.skipped[kid] = why
         return report
+
+    def _plan_verification(self, kids: list[str]) -> None:
+        """Which images get their checksums verified before adoption: the smallest, up to
+        verify_bytes in all (this is read before the server answers HTTP); the others
+        are size-checked now and verified by their resume, as every resume does."""
+        sizes = sorted((self.store.size_of(k), k) for k in kids)
+        budget = self.verify_bytes if self.verify_bytes >= 0 else sum(n for n, _ in sizes)
+        for size, kid in sizes:
+            if size > budget:
+                break
+            budget -= size
+            self._verify.add(kid)
+        later = [(n, k) for n, k in sizes if k not in self._verify and n]
+        if later:
+            self.log.info(
+                "jupyter-cedana: %d parked image(s) of %.2f GB over adopt_verify_bytes: "
+                "sizes checked now, checksums at their resume",
+                len(later),
+                sum(n for n, _ in later) / 1e9,
+            )
 
     async def _adopt_path(self, path: Path) -> str | None:
         """Adopt the kernel of one record; None when adopted, else why not (logged)."""
@@ -200,7 +222,7 @@ class Adopter:
     async def _check_image(self, kid: str) -> dict[str, Any]:
         if not self.store.exists(kid):
             raise NotFound(f"No checkpoint for kernel {kid}")
-        if self.verify_checksums:
+        if kid in self._verify:
             return await asyncio.to_thread(self.store.verify, kid)
         return self.store.check_sizes(kid)
 

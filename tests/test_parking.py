@@ -14,6 +14,7 @@ import os
 import signal
 import subprocess
 import time
+import urllib.error
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -403,6 +404,8 @@ def test_server_started_while_the_previous_one_is_still_parking(
     servers.append(c)
     wait_log(c, f"server(s) {a.proc.pid} still parking kernels into {root}")
     assert a.proc.poll() is None
+    with pytest.raises(urllib.error.URLError):  # no request is served before adoption
+        c.api("GET", "api/status")
     criu_gate.release()
     a.proc.wait(timeout=120)
     assert a.proc.returncode == 0
@@ -459,7 +462,12 @@ def test_invalid_records_are_not_adopted(tmp_path: Path, servers: list[Server]) 
     (root / ".parked" / f"{garbled}.json").write_text('{"format": 1, "kernel_id": ')
 
     b = start_server(
-        tmp_path / "b", "--SuspendPolicy.retention=86400", checkpoint_root=root, extra_env=hub
+        tmp_path / "b",
+        "--SuspendPolicy.retention=86400",
+        # The small planted images are verified before adoption; the real one is not.
+        "--KernelParking.adopt_verify_bytes=100000",
+        checkpoint_root=root,
+        extra_env=hub,
     )
     servers.append(b)
     assert listed(b) == {good}
@@ -479,6 +487,7 @@ def test_invalid_records_are_not_adopted(tmp_path: Path, servers: list[Server]) 
     assert said(damaged, "checksum mismatch in pages-1.img")
     assert said(old, "longer than SuspendPolicy.retention")
     assert said(garbled, "does not parse")
+    assert "1 parked image(s) of 0.0" in log and "sizes checked now" in log
     left = {p.stem for p in (root / ".parked").glob("*.json")}
     assert left == {other_uid, other_user, other_server, no_spec, damaged, garbled}
     assert (root / damaged).is_dir() and not (root / old).exists()
