@@ -22,8 +22,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from jupyter_client.manager import AsyncKernelManager
+from jupyter_client.provisioning import KernelProvisionerFactory
 from tornado.httpclient import HTTPRequest
 from tornado.websocket import websocket_connect
+from traitlets.config import Config
 
 from jupyter_cedana.engine import CheckpointEngine
 from tests.test_cli import (
@@ -505,3 +508,50 @@ def test_invalid_records_are_not_adopted(tmp_path: Path, servers: list[Server]) 
     k = b.kernel(good)
     assert k["state"] == "failed" and "checksum" in k["reason"]
     assert (image / "manifest.json").is_file()
+
+
+# -- one CRIU dump at a time ------------------------------------------------------------------
+
+
+async def test_kernels_sharing_a_working_directory_are_dumped_one_at_a_time(
+    tmp_path: Path,
+) -> None:
+    """CRIU's parasite makes `proc.crtools` in each dumped task's working directory, so
+    concurrent dumps of kernels with the same one fail with EEXIST (parking several
+    kernels, or the policy suspending them, does that). A criu wrapper logs when each
+    dump starts and ends."""
+    criu = CheckpointEngine().probe().criu_path
+    log = tmp_path / "dumps.log"
+    wrapper = tmp_path / "criu"
+    wrapper.write_text(
+        "#!/bin/sh\n"
+        f'case " $* " in *" dump "*) echo "start $$" >> {log};; esac\n'
+        f'{criu} "$@"; rc=$?\n'
+        f'case " $* " in *" dump "*) echo "end $$" >> {log};; esac\n'
+        "exit $rc\n"
+    )
+    wrapper.chmod(0o755)
+    config = Config()
+    config.CheckpointEngine.checkpoint_root = str(tmp_path / "checkpoints")
+    config.CheckpointEngine.criu_path = str(wrapper)
+    KernelProvisionerFactory.instance().default_provisioner_name = "cedana-provisioner"
+    shared = tmp_path / "notebooks"
+    shared.mkdir()
+    kms = []
+    try:
+        for _ in range(3):
+            km = AsyncKernelManager(kernel_name="python3", config=config)
+            await km.start_kernel(cwd=str(shared))
+            kms.append(km)
+        for km in kms:
+            kc = km.client()
+            kc.start_channels()
+            await kc.wait_for_ready(timeout=60)
+            kc.stop_channels()
+        await asyncio.gather(*(km.provisioner.suspend() for km in kms))
+        assert all(km.provisioner.state.value == "suspended" for km in kms)
+        events = log.read_text().split()[::2]
+        assert events == ["start", "end"] * 3, log.read_text()
+    finally:
+        for km in kms:
+            await km.shutdown_kernel(now=True)
