@@ -85,7 +85,7 @@ class KernelParking(LoggingConfigurable):
         help="Bytes of parked images whose checksums are verified before adoption, the "
         "smallest images first. Everything verified here is read before the server "
         "answers HTTP, which counts against JupyterHub's Spawner.http_timeout (30 s); a "
-        "loaded disk read 10 GB in 40-55 s in the benchmark. Larger images get their "
+        "loaded disk read 10 GB in 30-57 s in the benchmark. Larger images get their "
         "sizes checked and their checksums verified by their resume, as every resume "
         "does (a damaged one then fails it: state failed, image kept). -1: no limit.",
     ).tag(config=True)

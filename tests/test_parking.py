@@ -96,6 +96,18 @@ def execute(server: Server, kid: str, code: str, timeout: float = 120) -> dict[s
     return asyncio.run(asyncio.wait_for(go(), timeout))
 
 
+def server_with_kernel(
+    tmp_path: Path, servers: list[Server], code: str, *args: str, **kw: Any
+) -> tuple[Server, Path, str]:
+    """A server on tmp_path/checkpoints with one kernel that ran `code`."""
+    root = tmp_path / "checkpoints"
+    server = start_server(tmp_path / "a", *args, checkpoint_root=root, **kw)
+    servers.append(server)
+    kid = server.start_kernel()
+    assert execute(server, kid, code)["reply"]["status"] == "ok"
+    return server, root, kid
+
+
 def create_session(server: Server, path: str, kid: str) -> dict[str, Any]:
     body = {"path": path, "name": Path(path).name, "type": "notebook", "kernel": {"id": kid}}
     status, session = server.api("POST", "api/sessions", body)
@@ -261,11 +273,7 @@ def test_sigterm_parks_every_kernel_and_the_next_server_adopts_them(
 def test_sigint_without_terminal_parks_once_despite_more_signals(
     tmp_path: Path, criu_gate: CriuGate, servers: list[Server]
 ) -> None:
-    root = tmp_path / "checkpoints"
-    a = start_server(tmp_path / "a", criu_gate.arg, checkpoint_root=root)
-    servers.append(a)
-    kid = a.start_kernel()
-    assert execute(a, kid, "z = 7")["reply"]["status"] == "ok"
+    a, root, kid = server_with_kernel(tmp_path, servers, "z = 7", criu_gate.arg)
 
     criu_gate.hold()
     a.proc.send_signal(signal.SIGINT)
@@ -387,11 +395,7 @@ def test_two_servers_never_adopt_the_same_kernel(tmp_path: Path, servers: list[S
 def test_server_started_while_the_previous_one_is_still_parking(
     tmp_path: Path, criu_gate: CriuGate, servers: list[Server]
 ) -> None:
-    root = tmp_path / "checkpoints"
-    a = start_server(tmp_path / "a", criu_gate.arg, checkpoint_root=root)
-    servers.append(a)
-    kid = a.start_kernel()
-    assert execute(a, kid, "w = 5")["reply"]["status"] == "ok"
+    a, root, kid = server_with_kernel(tmp_path, servers, "w = 5", criu_gate.arg)
     criu_gate.hold()
     a.proc.send_signal(signal.SIGTERM)
     criu_gate.wait_dump()
@@ -430,12 +434,8 @@ def _plant_record(root: Path, template: dict[str, Any], **changes: Any) -> str:
 
 
 def test_invalid_records_are_not_adopted(tmp_path: Path, servers: list[Server]) -> None:
-    root = tmp_path / "checkpoints"
     hub = {"JUPYTERHUB_USER": "alice"}
-    a = start_server(tmp_path / "a", checkpoint_root=root, extra_env=hub)
-    servers.append(a)
-    good = a.start_kernel()
-    assert execute(a, good, "v = 1")["reply"]["status"] == "ok"
+    a, root, good = server_with_kernel(tmp_path, servers, "v = 1", extra_env=hub)
     stop_with(a, signal.SIGTERM)
     template = records(root)[good]
     assert template["hub_user"] == "alice"
