@@ -71,7 +71,7 @@ def write_record(store: CheckpointStore, record: dict[str, Any]) -> Path:
             f.flush()
             os.fsync(f.fileno())
         os.rename(tmp, final)
-        fsync_path(d)
+        fsync_path(d, directory=True)
     except BaseException:
         with contextlib.suppress(OSError):
             tmp.unlink()
@@ -135,7 +135,7 @@ def locked_record(path: Path) -> Iterator[tuple[int, str]]:
 def remove_record(path: Path) -> None:
     path.unlink(missing_ok=True)
     with contextlib.suppress(OSError):
-        fsync_path(path.parent)
+        fsync_path(path.parent, directory=True)
 
 
 class ParkingLock:
