@@ -321,7 +321,21 @@ class CheckpointEngine(SingletonConfigurable):
             args.append("--unprivileged")
         return args
 
+    _dump_lock: asyncio.Lock | None = None
+
     async def dump(
+        self, pid: int, images: Path, progress: ProgressCallback | None = None
+    ) -> tuple[float, dict[str, tuple[int, int]]]:
+        """One CRIU dump at a time: CRIU's parasite mounts /proc on a directory it makes,
+        `proc.crtools`, in the working directory of each task it dumps (the kernel's PID
+        namespace does not own the host /proc), so two dumps of kernels sharing a working
+        directory fail with EEXIST. The disk is the bottleneck anyway."""
+        if self._dump_lock is None:
+            self._dump_lock = asyncio.Lock()
+        async with self._dump_lock:
+            return await self._criu_dump(pid, images, progress)
+
+    async def _criu_dump(
         self, pid: int, images: Path, progress: ProgressCallback | None = None
     ) -> tuple[float, dict[str, tuple[int, int]]]:
         """Dump the tree rooted at `pid` into `images`, leaving it stopped (not killed).

@@ -21,6 +21,7 @@ from jupyter_client.connect import KernelConnectionInfo
 from jupyter_client.launcher import launch_kernel
 from jupyter_client.provisioning import LocalProvisioner
 
+from .adoption import claim_adoption
 from .checkpointing import Checkpointing
 from .errors import Conflict
 from .launch import check_executable, ipykernel_options, pidns_environment
@@ -54,6 +55,9 @@ class CedanaProvisioner(Checkpointing, TransitionMachine, LocalProvisioner):  # 
     # -- launch ---------------------------------------------------------------------------
 
     async def launch_kernel(self, cmd: list[str], **kwargs: Any) -> KernelConnectionInfo:
+        adopted = claim_adoption(self)  # a kernel parked by an earlier server: no launch
+        if adopted is not None:
+            return adopted
         engine = self.engine
         store = engine.store
         store.ensure_root()
