@@ -484,9 +484,21 @@ def kill_restore(proc: subprocess.Popen[bytes]) -> None:
     half-restored tasks, which then spin on their dead parent's log forever."""
     from .proctree import process_tree
 
-    for pid in sorted(process_tree(proc.pid) - {proc.pid}):
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
+    # Kill below the keeper (cedana-init) until it exits by itself: it may fork CRIU only
+    # after a first look, and once CRIU is gone it exits, having reaped (as subreaper,
+    # without a PID namespace) the killed tasks it adopted. They hold the kernel's PIDs
+    # until reaped, and a retry needs them back.
+    deadline = time.monotonic() + 10
+    while True:
+        for pid in sorted(process_tree(proc.pid) - {proc.pid}):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        try:
+            proc.wait(0.05)
+            return
+        except subprocess.TimeoutExpired:
+            if time.monotonic() > deadline:
+                break
     with contextlib.suppress(ProcessLookupError):
         proc.kill()
     proc.wait()
