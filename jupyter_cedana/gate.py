@@ -120,8 +120,12 @@ class MessageGate:
             for fut in self._left_running.pop(kid, set()):
                 if not fut.done():
                     fut.set_result(None)
+        elif getattr(prov.parent, "shutting_down", False):
+            # Discarded for a shutdown or restart: held requests have no kernel to go to.
+            if self._held.get(kid) and kid not in self._releasing:
+                self._refuse_all(kid, "the kernel was shut down or restarted")
         elif self._held.get(kid):
-            # Resumed (or discarded by a restart) by anyone: what waited goes now.
+            # Resumed by anyone: what waited goes now.
             self.release(kid)
 
     async def unless_suspended(self, kernel_id: str, work: Awaitable[Any], cancel: bool) -> bool:
@@ -233,10 +237,8 @@ class MessageGate:
             self.log.debug("Holding %s for %s kernel %s", msg.msg_type, state, kid)
 
     def deliver(self, conn: GatedWebsocketConnection, msg: Message) -> None:
-        if not conn.channels:
-            return
-        self.replies.from_client(conn.kernel_id, msg)
-        ZMQChannelsWebsocketConnection.handle_incoming_message(conn, msg.raw)
+        if conn.send_to_kernel(msg):
+            self.replies.from_client(conn.kernel_id, msg)
 
     def observes(self, kernel_id: str, msg_type: str) -> bool:
         """Whether a kernel message of this type tells the gate something."""
@@ -391,6 +393,23 @@ class GatedWebsocketConnection(ZMQChannelsWebsocketConnection):
             return
         gate.incoming(self, incoming_msg)
 
+    def send_to_kernel(self, msg: Message) -> bool:
+        """What jupyter_server does with a client message, from the parsed message (the
+        websocket may have closed since it was held)."""
+        stream = self.channels.get(msg.channel)
+        if stream is None or stream.closed():
+            self.log.debug("No open %r channel for a %s", msg.channel, msg.msg_type)
+            return False
+        allowed = self.multi_kernel_manager.allowed_message_types
+        if allowed and msg.msg_type not in allowed:
+            self.log.warning('Received message of type "%s", which is not allowed.', msg.msg_type)
+            return False
+        if msg.parts is not None:
+            self.session.send_raw(stream, msg.parts)
+        elif msg.body is not None:
+            self.session.send(stream, msg.body)
+        return True
+
     def handle_outgoing_message(self, stream: Any, outgoing_msg: list[Any]) -> None:
         gate = self.gate
         if gate is not None:
@@ -420,16 +439,22 @@ class GatedWebsocketConnection(ZMQChannelsWebsocketConnection):
                 channel, parts = deserialize_msg_from_ws_v1(ws_msg)
                 header = self.session.unpack(parts[0])
                 content = self.session.unpack(parts[3])
+                body = None
             else:
-                msg = (
+                body = (
                     deserialize_binary_message(ws_msg)
                     if isinstance(ws_msg, bytes)
                     else json.loads(ws_msg)
                 )
-                channel, header, content = msg.get("channel"), msg["header"], msg["content"]
+                channel, header, content = (
+                    body.pop("channel", None),
+                    body["header"],
+                    body["content"],
+                )
+                parts = None
             if not isinstance(header, dict) or not isinstance(content, dict):
                 raise TypeError("header and content must be objects")
-            return Message(ws_msg, str(channel or "shell"), header, content)
+            return Message(str(channel or "shell"), header, content, parts, body)
         except Exception as e:
             raise ValueError(f"{type(e).__name__}: {e}") from e
 

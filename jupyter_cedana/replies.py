@@ -49,12 +49,14 @@ PASSIVE = frozenset(
 
 @dataclass
 class Message:
-    """A client message as the gate sees it: the raw frame is what gets delivered."""
+    """A client message as the gate sees it, with what goes to the kernel: the frame's
+    packed parts (websocket protocol v1) or the message (JSON protocol)."""
 
-    raw: Any
     channel: str
     header: dict[str, Any]
     content: dict[str, Any]
+    parts: list[bytes] | None = None
+    body: dict[str, Any] | None = None
 
     @property
     def msg_type(self) -> str:
@@ -148,10 +150,15 @@ class ReplyCache:
             return None  # without the kernel's session no reply would be taken as its own
         kind = msg.msg_type
         body: list[tuple[str, dict[str, Any]]] = []
+        after: list[tuple[str, dict[str, Any]]] = []
         if kind == "kernel_info_request":
             reply = self._msg(k, "kernel_info_reply", msg, copy.deepcopy(k.info["content"]))
             reply["metadata"] = dict(k.info["metadata"])
             body = [(msg.channel, reply)]
+            # JupyterLab ignores status replies to kernel_info (an untracked type) and
+            # would show the kernel's state as unknown: a suspended kernel is idle.
+            idle = {"execution_state": "idle"}
+            after = [("iopub", self._msg(k, "status", None, idle))]
         elif kind == "comm_info_request":
             target = msg.content.get("target_name")
             comms = {
@@ -179,6 +186,7 @@ class ReplyCache:
             ("iopub", self._msg(k, "status", msg, {"execution_state": "busy"})),
             *body,
             ("iopub", self._msg(k, "status", msg, {"execution_state": "idle"})),
+            *after,
         ]
 
     def compose(

@@ -330,7 +330,9 @@ async def test_widget_traffic_answered_held_or_woken(api, new_kernel, connect, j
     got = await first.answer(first.execute(WIDGETS))
     assert got["reply"]["content"]["status"] == "ok", got
     opened = [m for m in got["msgs"] if m["msg_type"] == "comm_open"]
-    assert [m["content"]["target_name"] for m in opened] == ["cedana.widget"]
+    assert [m["content"]["target_name"] for m in opened] == ["cedana.widget"], [
+        (m["msg_type"], m["parent_header"].get("msg_type")) for m in first.received
+    ]
     widget = opened[0]["content"]["comm_id"]
     await api("POST", "kernels", kid, "suspend")
     first.ws.close()
