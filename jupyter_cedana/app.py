@@ -158,6 +158,9 @@ class CedanaApp(ExtensionApp):
             self.manager.start()
 
     async def stop_extension(self) -> None:
+        gate = self.settings.get("cedana_gate")
+        if gate is not None:
+            await gate.close()
         if self.manager is not None:
             await self.manager.stop()
             await self.manager.engine.close()

@@ -201,6 +201,12 @@ class MessageGate:
             if not stream.closed():
                 stream.close()
 
+    async def close(self) -> None:
+        """Stop the gate's own background work (the server is stopping)."""
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
     def _background(self, work: Awaitable[Any]) -> None:
         task = asyncio.ensure_future(work)
         self._tasks.add(task)
