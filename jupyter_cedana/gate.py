@@ -134,6 +134,8 @@ class MessageGate:
         task = asyncio.ensure_future(work)
         left: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._left_running.setdefault(kernel_id, set()).add(left)
+        if self.state(kernel_id) != "running":
+            left.set_result(None)
         try:
             await asyncio.wait({task, left}, return_when=asyncio.FIRST_COMPLETED)
             if task.done():
@@ -378,13 +380,17 @@ class GatedWebsocketConnection(ZMQChannelsWebsocketConnection):
         finally:
             gate.connecting(self, False)
 
-    async def confirm_iopub(self) -> None:
+    async def confirm_iopub(self) -> bool:
         """Nudge until this connection's IOPub delivers, then subscribe it again (nudge
-        takes over the IOPub stream's callback while it runs)."""
-        await ZMQChannelsWebsocketConnection.nudge(self)
+        takes over the IOPub stream's callback while it runs). False if the kernel left
+        `running` meanwhile."""
+        gate = self.gate
+        nudged = ZMQChannelsWebsocketConnection.nudge(self)
+        confirmed = gate is None or await gate.unless_suspended(self.kernel_id, nudged, True)
         iopub = self.channels.get("iopub")
         if iopub is not None and not iopub.closed():
             iopub.on_recv_stream(self.handle_outgoing_message)
+        return confirmed
 
     def disconnect(self) -> None:  # type: ignore[override]
         gate = self.gate

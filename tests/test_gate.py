@@ -411,6 +411,11 @@ async def test_interrupt_of_a_suspended_kernel_is_409(
     body = json.loads(info.value.response.body)
     assert "suspended" in body["message"] and "nothing runs" in body["message"]
     assert state(jp_serverapp, kid) == "suspended"
+    # Resume asked for by a person: activity, the idle countdown starts again.
+    before = dt.datetime.now(dt.timezone.utc)
+    status, _ = await api("POST", "kernels", kid, "resume")
+    assert status == 200
+    assert jp_serverapp.kernel_manager.get_kernel(kid).last_activity >= before
 
 
 # -- races held mid-flight ----------------------------------------------------------------
