@@ -212,7 +212,12 @@ class MessageGate:
     def _background(self, work: Awaitable[Any]) -> None:
         task = asyncio.ensure_future(work)
         self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(self._done)
+
+    def _done(self, task: asyncio.Future[Any]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            self.log.debug("cedana gate: background work failed: %s", task.exception())
 
     # -- messages -------------------------------------------------------------------------
 
@@ -285,7 +290,9 @@ class MessageGate:
                 await self.manager.ensure_running(kid)
                 if kid in self._wake:
                     touch(self.kernel_manager, kid)
-                conns = self.connections(kid)
+                # A client still connecting has its IOPub checked by its own nudge.
+                connecting: Any = self._connecting.get(kid) or {}
+                conns = [c for c in self.connections(kid) if c not in connecting]
                 results = await asyncio.gather(
                     *(c.confirm_iopub() for c in conns), return_exceptions=True
                 )
@@ -441,7 +448,8 @@ class GatedWebsocketConnection(ZMQChannelsWebsocketConnection):
         super().handle_outgoing_message(stream, outgoing_msg)
 
     def parse(self, ws_msg: Any) -> Message:
-        """The channel, header and content of a client frame (ValueError if malformed)."""
+        """A client frame's channel and header, its content read when needed (ValueError if
+        malformed)."""
         try:
             if self.subprotocol == V1:
                 # The frame's first word counts its offsets: check it before trusting it.
@@ -450,7 +458,6 @@ class GatedWebsocketConnection(ZMQChannelsWebsocketConnection):
                     raise ValueError(f"{count} offsets in a frame of {len(ws_msg)} bytes")
                 channel, parts = deserialize_msg_from_ws_v1(ws_msg)
                 header = self.session.unpack(parts[0])
-                content = self.session.unpack(parts[3])
                 body = None
             else:
                 body = (
@@ -458,15 +465,10 @@ class GatedWebsocketConnection(ZMQChannelsWebsocketConnection):
                     if isinstance(ws_msg, bytes)
                     else json.loads(ws_msg)
                 )
-                channel, header, content = (
-                    body.pop("channel", None),
-                    body["header"],
-                    body["content"],
-                )
-                parts = None
-            if not isinstance(header, dict) or not isinstance(content, dict):
-                raise TypeError("header and content must be objects")
-            return Message(str(channel or "shell"), header, content, parts, body)
+                channel, header, parts = body.pop("channel", None), body["header"], None
+            if not isinstance(header, dict):
+                raise TypeError("the header must be an object")
+            return Message(str(channel or "shell"), header, parts, body, self.session.unpack)
         except Exception as e:
             raise ValueError(f"{type(e).__name__}: {e}") from e
 

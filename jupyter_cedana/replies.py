@@ -17,8 +17,10 @@ The table is in README.md ("Transparent resume").
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,9 +56,23 @@ class Message:
 
     channel: str
     header: dict[str, Any]
-    content: dict[str, Any]
     parts: list[bytes] | None = None
     body: dict[str, Any] | None = None
+    unpack: Callable[[bytes], Any] | None = None
+    _content: dict[str, Any] | None = None
+
+    @property
+    def content(self) -> dict[str, Any]:
+        """Read only when needed: most messages to a running kernel just pass through."""
+        if self._content is None:
+            content: Any = None
+            if self.body is not None:
+                content = self.body.get("content")
+            elif self.parts is not None and self.unpack is not None:
+                with contextlib.suppress(Exception):
+                    content = self.unpack(self.parts[3])
+            self._content = content if isinstance(content, dict) else {}
+        return self._content
 
     @property
     def msg_type(self) -> str:
