@@ -33,9 +33,9 @@ from .replies import WAKE, Message, ReplyCache, disposition
 
 V1 = "v1.kernel.websocket.jupyter.org"
 KERNEL_ACTIONS = "https://events.jupyter.org/jupyter_server/kernel_actions/v1"
-# A delivered request keeps the policy off the kernel until the kernel answers it, or
-# for this long (a kernel may ignore message types it does not know).
-DELIVERY_GRACE_SECONDS = 60.0
+# A delivered request keeps the policy off the kernel until the kernel is idle again for
+# it, or for this long (then the kernel's own busy state, if it still runs it, does).
+DELIVERY_GRACE_SECONDS = 30.0
 Held = tuple["GatedWebsocketConnection", Message]
 # Kernel messages the reply cache learns from.
 _CACHED = frozenset({"kernel_info_reply", "comm_info_reply", "comm_open", "comm_close"})
@@ -65,6 +65,7 @@ class MessageGate:
         self._left_running: dict[str, set[asyncio.Future[None]]] = {}
         self._watched: weakref.WeakSet[Any] = weakref.WeakSet()
         self._tasks: set[asyncio.Future[Any]] = set()
+        self._closed = False
 
     @property
     def kernel_manager(self) -> Any:
@@ -84,9 +85,7 @@ class MessageGate:
         """Whether the policy must leave the kernel alone: messages are held for it, being
         delivered or not yet answered, or a client is still connecting to it."""
         cutoff = time.monotonic() - DELIVERY_GRACE_SECONDS
-        delivered = self._delivered.get(kernel_id) or {}
-        for msg_id in [m for m, t in delivered.items() if t < cutoff]:
-            delivered.pop(msg_id)
+        delivered = self._expire(self._delivered.get(kernel_id) or {})
         connecting: Any = self._connecting.get(kernel_id) or {}
         return bool(
             self._held.get(kernel_id)
@@ -94,6 +93,13 @@ class MessageGate:
             or delivered
             or any(t >= cutoff for t in list(connecting.values()))
         )
+
+    @staticmethod
+    def _expire(delivered: dict[str, float]) -> dict[str, float]:
+        cutoff = time.monotonic() - DELIVERY_GRACE_SECONDS
+        for msg_id in [m for m, t in delivered.items() if t < cutoff]:
+            delivered.pop(msg_id)
+        return delivered
 
     def connecting(self, conn: GatedWebsocketConnection, now: bool) -> None:
         clients = self._connecting.setdefault(conn.kernel_id, weakref.WeakKeyDictionary())
@@ -168,48 +174,24 @@ class MessageGate:
             self._background(self.refresh(kid))
 
     async def refresh(self, kernel_id: str, timeout: float = 60.0) -> None:
-        """Ask a running kernel for its kernel_info and comm list on a control channel of
-        our own (both are untracked message types: no activity)."""
-        try:
+        """Have the reply cache ask a running kernel what it is (not once it is gone)."""
+        with contextlib.suppress(KeyError, asyncio.TimeoutError):
             km = self.kernel_manager.get_kernel(kernel_id)
-        except KeyError:
-            return
-        stream = km.connect_control()
-        session = km.session
-        ours: set[str] = set()
-        answered = asyncio.Event()
-
-        def on_reply(msg_list: list[Any]) -> None:
-            with contextlib.suppress(Exception):
-                msg = session.deserialize(session.feed_identities(msg_list)[1])
-                parent = msg["parent_header"].get("msg_id")
-                if parent in ours:
-                    ours.discard(parent)
-                    snapshot = msg["header"]["msg_type"] == "comm_info_reply"
-                    self.replies.from_kernel(kernel_id, msg, snapshot=snapshot)
-                if not ours:
-                    answered.set()
-
-        stream.on_recv(on_reply)
-        try:
-            for kind in ("kernel_info_request", "comm_info_request"):
-                ours.add(session.send(stream, kind, {})["header"]["msg_id"])
-            await self.unless_suspended(
-                kernel_id, asyncio.wait_for(answered.wait(), timeout), cancel=True
-            )
-        except asyncio.TimeoutError:
-            self.log.debug("Kernel %s did not say what it is in %s s", kernel_id, timeout)
-        finally:
-            if not stream.closed():
-                stream.close()
+            work = self.replies.ask(kernel_id, km, timeout)
+            await self.unless_suspended(kernel_id, work, cancel=True)
 
     async def close(self) -> None:
         """Stop the gate's own background work (the server is stopping)."""
+        self._closed = True
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
     def _background(self, work: Awaitable[Any]) -> None:
+        if self._closed:
+            if asyncio.iscoroutine(work):
+                work.close()
+            return
         task = asyncio.ensure_future(work)
         self._tasks.add(task)
         task.add_done_callback(self._done)
@@ -250,26 +232,31 @@ class MessageGate:
             self.log.debug("Holding %s for %s kernel %s", msg.msg_type, state, kid)
 
     def deliver(self, conn: GatedWebsocketConnection, msg: Message) -> None:
-        if conn.send_to_kernel(msg):
-            self.replies.from_client(conn.kernel_id, msg)
+        """Send to the kernel; until the kernel is idle again for it, busy() is true (a
+        kernel frozen with a request in flight could lose it)."""
+        if not conn.send_to_kernel(msg):
+            return
+        kid = conn.kernel_id
+        self.replies.from_client(kid, msg)
+        # Probes (kernel_info on every reconnect...) are not activity, nor worth a delay.
+        if msg.channel != "stdin" and self.kernel_manager.track_message_type(msg.msg_type):
+            delivered = self._delivered.setdefault(kid, {})
+            delivered[msg.msg_id] = time.monotonic()
+            if len(delivered) > 256:
+                self._expire(delivered)
 
     def observes(self, kernel_id: str, msg_type: str) -> bool:
         """Whether a kernel message of this type tells the gate something."""
         return msg_type in _CACHED or (
-            bool(self._delivered.get(kernel_id))
-            and (msg_type == "status" or msg_type.endswith("_reply"))
+            msg_type == "status" and bool(self._delivered.get(kernel_id))
         )
 
     def from_kernel(self, kernel_id: str, msg: dict[str, Any]) -> None:
         """A message from the kernel to a client: note what it tells, and what it answers."""
         self.replies.from_kernel(kernel_id, msg)
         delivered = self._delivered.get(kernel_id)
-        if delivered:
-            kind = msg["header"].get("msg_type", "")
-            if kind.endswith("_reply") or (
-                kind == "status" and msg["content"].get("execution_state") == "idle"
-            ):
-                delivered.pop(msg["parent_header"].get("msg_id", ""), None)
+        if delivered and msg["content"].get("execution_state") == "idle":
+            delivered.pop(msg["parent_header"].get("msg_id", ""), None)
 
     def release(self, kernel_id: str) -> None:
         """Resume if needed and deliver what is held."""
@@ -313,15 +300,11 @@ class MessageGate:
         self._wake.discard(kid)
         self._status(kid, "idle")
         self.log.info("Kernel %s runs: delivering %d held messages", kid, len(held))
-        delivered = self._delivered.setdefault(kid, {})
         for conn, msg in held:
             try:
                 self.deliver(conn, msg)
             except Exception:
                 self.log.exception("Could not deliver a held %s to kernel %s", msg.msg_type, kid)
-                continue
-            if msg.msg_id:
-                delivered[msg.msg_id] = time.monotonic()
 
     def _refuse_all(self, kid: str, reason: str) -> None:
         """Answer every held request of every connection, so that no client waits."""

@@ -17,6 +17,7 @@ The table is in README.md ("Transparent resume").
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import copy
 import uuid
@@ -155,6 +156,34 @@ class ReplyCache:
         """Note a client message delivered to the kernel (comms it opens or closes)."""
         if msg.msg_type in ("comm_open", "comm_close"):
             self.from_kernel(kernel_id, {"header": msg.header, "content": msg.content})
+
+    async def ask(self, kernel_id: str, km: Any, timeout: float) -> None:
+        """Ask a running kernel (km: its KernelManager) for its kernel_info and comm list,
+        on a control channel of our own (untracked message types: not activity)."""
+        stream = km.connect_control()
+        session = km.session
+        ours: set[str] = set()
+        answered = asyncio.Event()
+
+        def on_reply(msg_list: list[Any]) -> None:
+            with contextlib.suppress(Exception):
+                msg = session.deserialize(session.feed_identities(msg_list)[1])
+                parent = msg["parent_header"].get("msg_id")
+                if parent in ours:
+                    ours.discard(parent)
+                    snapshot = msg["header"]["msg_type"] == "comm_info_reply"
+                    self.from_kernel(kernel_id, msg, snapshot=snapshot)
+                if not ours:
+                    answered.set()
+
+        stream.on_recv(on_reply)
+        try:
+            for kind in ("kernel_info_request", "comm_info_request"):
+                ours.add(session.send(stream, kind, {})["header"]["msg_id"])
+            await asyncio.wait_for(answered.wait(), timeout)
+        finally:
+            if not stream.closed():
+                stream.close()
 
     # -- answers --------------------------------------------------------------------------
 
