@@ -509,3 +509,36 @@ async def test_failed_resume_answers_every_held_request(
     mid = c.execute("print(z * 14)")
     got = await c.answer(mid)
     assert got["stdout"] == "42\n"
+
+
+async def test_policy_leaves_a_kernel_alone_until_it_took_a_request(
+    new_kernel, connect, jp_serverapp
+):
+    """A cell sent to a running kernel that has not picked it up yet (it is stopped here,
+    so its busy status cannot arrive) must not be frozen with the kernel."""
+    kid = await new_kernel()
+    m = manager(jp_serverapp)
+    await m.stop()
+    client = await connect(kid)
+    await client.run("u = 5")
+    prov = jp_serverapp.kernel_manager.get_kernel(kid).provisioner
+    kernel_procs = process_tree(prov.pid) - {prov.pid}
+    for pid in kernel_procs:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        cell = client.execute("print(u * 3)")
+        await until(lambda: gate(jp_serverapp).busy(kid), "the cell to be sent")
+        idle_for_hours(jp_serverapp, kid)
+        await m.check()
+        assert state(jp_serverapp, kid) == "running" and not m.transition_pending(kid)
+    finally:
+        for pid in kernel_procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+    got = await client.answer(cell)
+    assert got["stdout"] == "15\n"
+    # Answered: the kernel is the policy's again.
+    assert not gate(jp_serverapp).busy(kid)
+    idle_for_hours(jp_serverapp, kid)
+    await m.check()
+    await suspended(jp_serverapp, kid)
