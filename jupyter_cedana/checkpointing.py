@@ -14,9 +14,10 @@ import shutil
 import signal
 import subprocess
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
+from .cuda import CudaStateLeft
 from .engine import CheckpointEngine, kill_restore
 from .errors import (
     CedanaError,
@@ -27,11 +28,12 @@ from .errors import (
     ResumeFailed,
     SuspendFailed,
 )
+from .gpu_steps import GpuSteps
 from .proctree import process_tree
-from .transitions import KernelState, TransitionMachine
+from .transitions import KernelState
 
 
-class Checkpointing(TransitionMachine):
+class Checkpointing(GpuSteps):
     """suspend() / resume() of the provisioner's kernel."""
 
     kernel_id: Any
@@ -43,7 +45,6 @@ class Checkpointing(TransitionMachine):
     last_resume_seconds: float | None = None
     checkpoint_bytes: int = 0
     gpu_memory_freed: int = 0
-    _gpu_state: dict[str, Any] | None = None
     _chores: set[asyncio.Future[Any]]
 
     @property
@@ -109,6 +110,9 @@ class Checkpointing(TransitionMachine):
             result = await gpu.offload(process_tree(self.pid or 0), progress=self._gpu_progress)
             if not result:
                 raise Conflict(f"Kernel {self.kernel_id} holds no GPU memory: nothing to offload")
+        except CudaStateLeft as e:
+            self._gpu_left(e)
+            raise
         except BaseException as e:
             self._set_state(KernelState.running, reason=getattr(e, "message", None) or str(e))
             raise
@@ -135,9 +139,6 @@ class Checkpointing(TransitionMachine):
                 f"{self.engine.cuda_status()[1]}"
             )
 
-    def _gpu_progress(self, phase: str, done: int | None, total: int | None) -> None:
-        self._set_progress(phase, done, total)
-
     async def _dump(self, from_offload: bool) -> dict[str, Any]:
         engine = self.engine
         engine.require()
@@ -148,12 +149,17 @@ class Checkpointing(TransitionMachine):
         gpu_state = self._gpu_state if from_offload else None
         gpu = await self._gpu()
         if not from_offload and gpu is not None:
-            gpu_state = await gpu.offload(pids, progress=self._gpu_progress) or None
+            try:
+                gpu_state = await gpu.offload(pids, progress=self._gpu_progress) or None
+            except CudaStateLeft as e:
+                self._gpu_left(e)
+                raise
         elif not from_offload:
             self._refuse_unsaved_gpu_memory(pids)
-        tmp = store.begin(kid)
+        tmp = None
         stopped = False
         try:
+            tmp = store.begin(kid)  # a full disk fails here, after the offload: undo it
             dump_s, sums = await engine.dump(self.pid or 0, tmp, progress=self._set_progress)
             stopped = True
             self._set_progress("verify", None, None)
@@ -172,12 +178,14 @@ class Checkpointing(TransitionMachine):
                 sums,
             )
         except BaseException as e:
-            store.discard(tmp)
+            if tmp is not None:
+                store.discard(tmp)
             if stopped:
                 self._continue(pids)
             if gpu_state is not None and gpu is not None and not from_offload:
-                with contextlib.suppress(Exception):
-                    await gpu.restore(gpu_state, None, admission=False)
+                left = await self._undo_offload(gpu, gpu_state)
+                if left is not None:
+                    raise SuspendFailed(f"Suspend of kernel {kid} failed: {e}; {left}") from e
                 gpu_state = None
             if isinstance(e, SuspendFailed | asyncio.CancelledError):
                 raise
@@ -213,10 +221,16 @@ class Checkpointing(TransitionMachine):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGCONT)
 
-    async def _continue_restored(self, root: int, timeout: float = 10.0) -> None:
+    async def _continue_restored(
+        self,
+        root: int,
+        timeout: float = 10.0,
+        before: Callable[[], Awaitable[None]] | None = None,
+    ) -> None:
         """CRIU writes the pidfile while the restored tasks are still ptrace-stopped and
         stops them for good (SIGSTOP) only as it detaches: a SIGCONT sent before that is
-        overtaken. Wait for the group stop of every task, continue, and make sure."""
+        overtaken. Wait for the group stop of every task, run `before` (the GPU restore),
+        continue, and make sure."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             pids = process_tree(root)
@@ -225,6 +239,8 @@ class Checkpointing(TransitionMachine):
             await asyncio.sleep(0.005)
         else:
             self.log.warning("Restored kernel %s did not report stopped; continuing it", root)
+        if before is not None:
+            await before()
         settle = time.monotonic() + 1.0
         while True:
             self._continue(process_tree(root))
@@ -247,8 +263,10 @@ class Checkpointing(TransitionMachine):
     async def _resume(self) -> dict[str, Any]:
         if self.state == KernelState.running:
             raise Conflict(f"Kernel {self.kernel_id} is running, not suspended")
-        if self.tier == "offload" and self.state == KernelState.suspended:
+        if self.tier == "offload" and self.state in (KernelState.suspended, KernelState.failed):
             return await self._resume_offload()
+        if self.state == KernelState.failed and self._gpu_lost:
+            raise Conflict(f"Kernel {self.kernel_id} cannot be resumed: {self.reason}; restart it")
         engine = self.engine
         engine.require()
         store = engine.store
@@ -295,12 +313,10 @@ class Checkpointing(TransitionMachine):
                 await verify
             pid = await restored
             await verify
-            await self._continue_restored(pid)
-            if gpu_state and gpu is not None:
-                self._set_progress("gpu-restore", None, None)
-                await gpu.restore(
-                    gpu_state, process_tree(pid), admission=plan, progress=self._gpu_progress
-                )
+            before, after = self._gpu_restore_step(gpu, gpu_state, pid, plan)
+            await self._continue_restored(pid, before=before)
+            if after is not None:
+                await after()
         except BaseException as caught:
             # Whatever was restored must not run on: its image or its GPU memory is wrong.
             err: BaseException = caught
@@ -369,14 +385,18 @@ class Checkpointing(TransitionMachine):
 
     async def _resume_offload(self) -> dict[str, Any]:
         gpu = await self._gpu()
+        previous = self.state
         self._set_state(KernelState.resuming)
         t0 = time.monotonic()
         try:
             if gpu is None:
                 raise ResumeFailed("GPU checkpoint support went away")
             await gpu.restore(self._gpu_state, None, progress=self._gpu_progress)
+        except CudaStateLeft as e:
+            self._gpu_left(e)
+            raise
         except BaseException as e:
-            self._set_state(KernelState.suspended, reason=getattr(e, "message", None) or str(e))
+            self._set_state(previous, reason=getattr(e, "message", None) or str(e))
             raise
         self._gpu_state = None
         self.tier = None

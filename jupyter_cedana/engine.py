@@ -28,6 +28,7 @@ from .errors import EngineUnavailable, ResumeFailed, SuspendFailed
 
 MIN_CRIU = (4, 2)
 _PACKAGE_BIN = Path(__file__).parent / "bin"
+_NO_PLUGINS = Path(__file__).parent / "criu_plugins"  # holds no .so: CRIU loads nothing
 
 ProgressCallback = Callable[[str, int | None, int | None], None]
 
@@ -159,6 +160,15 @@ class CheckpointEngine(SingletonConfigurable):
         config=True
     )
 
+    criu_plugin_dir = Unicode(
+        "",
+        help="Directory CRIU loads its plugins from (criu --libdir). Empty: none (a directory "
+        "of the package without plugins); CRIU's default (/usr/lib/criu) and CRIU_LIBS_DIR "
+        "are never used. In particular CRIU's cuda_plugin.so must not run: it "
+        "would restore and unlock a kernel's GPU memory behind jupyter-cedana's back (GPU "
+        "checkpointing is off while the directory holds it).",
+    ).tag(config=True)
+
     gpu = Bool(
         True,
         help="Watch GPU use through NVML and checkpoint GPU memory through the CUDA driver "
@@ -195,12 +205,29 @@ class CheckpointEngine(SingletonConfigurable):
                 await self._cuda.start()
             except Exception as e:
                 self.log.warning("CUDA checkpoint helper failed to start: %s", e)
+        if self._plugin_conflict() is not None:
+            return None
         return self._cuda if self._cuda is not None and self._cuda.available else None
 
     def cuda_status(self) -> tuple[bool, str | None]:
+        conflict = self._plugin_conflict()
+        if conflict is not None:
+            return False, conflict
         if self._cuda is None:
             return False, "CUDA checkpoint helper not started"
         return bool(self._cuda.available), self._cuda.reason
+
+    def _plugin_conflict(self) -> str | None:
+        if self.criu_plugin_dir and (Path(self.criu_plugin_dir) / "cuda_plugin.so").exists():
+            return (
+                f"CheckpointEngine.criu_plugin_dir ({self.criu_plugin_dir}) holds CRIU's "
+                "cuda_plugin.so, which restores GPU memory by itself and breaks resume"
+            )
+        return None
+
+    def plugin_dir(self) -> str:
+        """The directory given to criu --libdir: the configured one, or one without plugins."""
+        return self.criu_plugin_dir or str(_NO_PLUGINS)
 
     async def close(self) -> None:
         if self._cuda is not None:
@@ -300,6 +327,10 @@ class CheckpointEngine(SingletonConfigurable):
         cmd = [
             *self._base_args(info),
             "dump",
+            # An explicit plugin directory: a distribution's cuda_plugin.so would otherwise
+            # checkpoint, and at restore restore and unlock, the GPU state by itself.
+            "--libdir",
+            self.plugin_dir(),
             "-t",
             str(pid),
             "-D",
@@ -370,6 +401,8 @@ class CheckpointEngine(SingletonConfigurable):
             "--",
             *self._base_args(info),
             "restore",
+            "--libdir",
+            self.plugin_dir(),
             "-D",
             str(images),
             "-W",

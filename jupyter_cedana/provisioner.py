@@ -120,17 +120,25 @@ class CedanaProvisioner(Checkpointing, TransitionMachine, LocalProvisioner):  # 
         return 0
 
     def _offloaded_process_died(self) -> bool:
-        """An offloaded kernel keeps its process; when that dies the kernel is dead (there
-        is no image to resume from), and poll() must say so for the restarter."""
-        if self.tier != "offload" or self.state != KernelState.suspended:
+        """An offloaded kernel keeps its process (so does one failed with its GPU state
+        offloaded or lost); when that dies the kernel is dead (there is no image to resume
+        from), and poll() must say so for the restarter."""
+        if not self._keeps_process():
             return False
         if self.process is None or self.process.poll() is None:
             return False
         self.log.warning("Offloaded kernel %s exited", self.kernel_id)
         self._gpu_state = None
+        self._gpu_lost = False
         self.tier = None
         self._set_state(KernelState.running, reason="the offloaded kernel's process exited")
         return True
+
+    def _keeps_process(self) -> bool:
+        """Not running, yet its process lives: offloaded, or failed by a GPU step."""
+        if self.state == KernelState.failed:
+            return self.tier == "offload" or self._gpu_lost
+        return self.state == KernelState.suspended and self.tier == "offload"
 
     async def wait(self) -> int | None:
         while await self.poll() is None:
@@ -184,7 +192,7 @@ class CedanaProvisioner(Checkpointing, TransitionMachine, LocalProvisioner):  # 
         if self.state == KernelState.running or self._inflight is not None:
             return False
         self.log.info("Discarding the checkpoint of kernel %s", self.kernel_id)
-        if self.tier == "offload" and self.pid:
+        if self._keeps_process() and self.pid:
             # An offloaded kernel keeps its process (GPU memory moved into host memory).
             self._kill_tree(self.pid)
             if self.process is not None:
@@ -194,6 +202,7 @@ class CedanaProvisioner(Checkpointing, TransitionMachine, LocalProvisioner):  # 
         self._release_ports()
         self.process = None
         self._gpu_state = None
+        self._gpu_lost = False
         self.tier = None
         self.checkpoint_bytes = 0
         self._set_state(KernelState.running)
