@@ -252,6 +252,24 @@ async def suspended(jp_serverapp: Any, kid: str) -> None:
     await until(lambda: state(jp_serverapp, kid) == "suspended", "the suspend")
 
 
+@contextlib.contextmanager
+def stopped(jp_serverapp: Any, kid: str) -> Any:
+    """The kernel's processes stopped (SIGSTOP): it answers nothing until the block ends."""
+    prov = jp_serverapp.kernel_manager.get_kernel(kid).provisioner
+    pids = process_tree(prov.pid) - {prov.pid}
+    assert pids
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        # Only those still in the kernel's tree: a dumped kernel's are gone, and PIDs
+        # are reused quickly here.
+        for pid in pids & process_tree(prov.pid or 0):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+
+
 def idle_for_hours(jp_serverapp: Any, kid: str) -> None:
     """The policy sees the kernel idle far past its timeout (no waiting for a clock)."""
     m = manager(jp_serverapp)
@@ -429,12 +447,7 @@ async def test_suspend_while_a_client_connects(api, new_kernel, connect, jp_serv
     await m.stop()
     first = await connect(kid)
     await first.run("v = 7")
-    prov = jp_serverapp.kernel_manager.get_kernel(kid).provisioner
-    kernel_procs = process_tree(prov.pid) - {prov.pid}
-    assert kernel_procs
-    for pid in kernel_procs:  # the kernel cannot answer the new connection's nudge
-        os.kill(pid, signal.SIGSTOP)
-    try:
+    with stopped(jp_serverapp, kid):  # the kernel cannot answer the new client's nudge
         second = await connect(kid)
         assert gate(jp_serverapp).busy(kid)
         idle_for_hours(jp_serverapp, kid)
@@ -443,10 +456,6 @@ async def test_suspend_while_a_client_connects(api, new_kernel, connect, jp_serv
         status, _ = await api("POST", "kernels", kid, "suspend", wait="0")
         assert status in (200, 202)
         await suspended(jp_serverapp, kid)
-    finally:
-        for pid in kernel_procs:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGCONT)
     assert await second.run("print(v * 6)") == "42\n"
     assert await first.run("print(v)") == "7\n"
 
@@ -521,20 +530,12 @@ async def test_policy_leaves_a_kernel_alone_until_it_took_a_request(
     await m.stop()
     client = await connect(kid)
     await client.run("u = 5")
-    prov = jp_serverapp.kernel_manager.get_kernel(kid).provisioner
-    kernel_procs = process_tree(prov.pid) - {prov.pid}
-    for pid in kernel_procs:
-        os.kill(pid, signal.SIGSTOP)
-    try:
+    with stopped(jp_serverapp, kid):
         cell = client.execute("print(u * 3)")
         await until(lambda: gate(jp_serverapp).busy(kid), "the cell to be sent")
         idle_for_hours(jp_serverapp, kid)
         await m.check()
         assert state(jp_serverapp, kid) == "running" and not m.transition_pending(kid)
-    finally:
-        for pid in kernel_procs:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGCONT)
     got = await client.answer(cell)
     assert got["stdout"] == "15\n"
     # Answered: the kernel is the policy's again.
