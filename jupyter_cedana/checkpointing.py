@@ -13,6 +13,7 @@ import os
 import shutil
 import signal
 import subprocess
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -72,11 +73,20 @@ class Checkpointing(GpuSteps):
         """Checkpoint the kernel (process tree and GPU memory) and free its resources."""
         if tier not in ("disk", "offload"):
             raise ValueError(f"unknown tier {tier!r}")
+        self._refuse_while_shutting_down()
         return await self._once(f"suspend-{tier}", lambda: self._suspend(tier))
 
     async def resume(self) -> dict[str, Any]:
         """Restore a suspended kernel; on failure the image is kept and a retry may work."""
+        self._refuse_while_shutting_down()
         return await self._once("resume", self._resume)
+
+    def _refuse_while_shutting_down(self) -> None:
+        # A shutdown or restart aborts the transition in flight; none may start after it.
+        if getattr(self.parent, "shutting_down", False):
+            raise Conflict(
+                f"Kernel {self.kernel_id} is not running: it is shutting down or restarting"
+            )
 
     async def _suspend(self, tier: str) -> dict[str, Any]:
         if self.state == KernelState.suspended and (self.tier == tier or tier == "offload"):
@@ -157,11 +167,55 @@ class Checkpointing(GpuSteps):
         elif not from_offload:
             self._refuse_unsaved_gpu_memory(pids)
         tmp = None
-        stopped = False
         try:
             tmp = store.begin(kid)  # a full disk fails here, after the offload: undo it
             dump_s, sums = await engine.dump(self.pid or 0, tmp, progress=self._set_progress)
-            stopped = True
+        except BaseException as e:
+            await self._undo_dump(e, tmp, pids, gpu, gpu_state if not from_offload else None)
+            if isinstance(e, SuspendFailed | asyncio.CancelledError):
+                raise
+            raise SuspendFailed(f"Suspend of kernel {kid} failed: {e}") from e
+        # From here on the suspend completes (or fails) as a whole: a cancellation that
+        # arrives meanwhile takes effect after it, on a suspended kernel.
+        return await _uncancellable(
+            self._commit_dump(tmp, pids, gpu, gpu_state, from_offload, dump_s, sums, t0)
+        )
+
+    async def _undo_dump(
+        self,
+        error: BaseException,
+        tmp: Any,
+        pids: set[int],
+        gpu: Any,
+        gpu_state: dict[str, Any] | None,
+    ) -> None:
+        """Let the kernel run on as before a failed, timed-out or cancelled dump. CRIU
+        leaves the tree stopped after a dump, and also when it is killed mid-dump."""
+        if tmp is not None:
+            self.engine.store.discard(tmp)
+        self._continue(pids | process_tree(self.pid or 0))
+        if gpu_state is not None and gpu is not None:
+            left = await self._undo_offload(gpu, gpu_state)
+            if left is not None:
+                raise SuspendFailed(
+                    f"Suspend of kernel {self.kernel_id_str} failed: {error}; {left}"
+                ) from error
+
+    async def _commit_dump(
+        self,
+        tmp: Any,
+        pids: set[int],
+        gpu: Any,
+        gpu_state: dict[str, Any] | None,
+        from_offload: bool,
+        dump_s: float,
+        sums: dict[str, tuple[int, int]],
+        t0: float,
+    ) -> dict[str, Any]:
+        engine = self.engine
+        store = engine.store
+        kid = self.kernel_id_str
+        try:
             self._set_progress("verify", None, None)
             manifest = await asyncio.to_thread(
                 store.commit,
@@ -178,17 +232,7 @@ class Checkpointing(GpuSteps):
                 sums,
             )
         except BaseException as e:
-            if tmp is not None:
-                store.discard(tmp)
-            if stopped:
-                self._continue(pids)
-            if gpu_state is not None and gpu is not None and not from_offload:
-                left = await self._undo_offload(gpu, gpu_state)
-                if left is not None:
-                    raise SuspendFailed(f"Suspend of kernel {kid} failed: {e}; {left}") from e
-                gpu_state = None
-            if isinstance(e, SuspendFailed | asyncio.CancelledError):
-                raise
+            await self._undo_dump(e, tmp, pids, gpu, gpu_state if not from_offload else None)
             raise SuspendFailed(f"Suspend of kernel {kid} failed: {e}") from e
         # The image is safe on disk: only now does the kernel's memory go.
         self._kill_tree(self.pid or 0)
@@ -290,11 +334,16 @@ class Checkpointing(GpuSteps):
         loop = asyncio.get_running_loop()
         self._set_progress("restore", 0, int(manifest["total_bytes"]) or None)
 
+        abandoned = threading.Event()
+
         def verified(done: int, total: int) -> None:
+            if abandoned.is_set():  # the restore failed or was cancelled: stop reading
+                raise ResumeFailed("checksum verification abandoned")
             loop.call_soon_threadsafe(self._set_progress, "restore", done, total)
 
         verify = asyncio.ensure_future(asyncio.to_thread(store.verify, kid, verified))
         proc: subprocess.Popen[bytes] | None = None
+        restored: asyncio.Future[int] | None = None
         pid: int | None = None
         try:
             images = store.path(kid)
@@ -320,14 +369,23 @@ class Checkpointing(GpuSteps):
         except BaseException as caught:
             # Whatever was restored must not run on: its image or its GPU memory is wrong.
             err: BaseException = caught
+            abandoned.set()
+            if restored is not None and not restored.done():
+                restored.cancel()  # it polls for a PID that will not come
             restored_pids = process_tree(pid) if pid is not None else set()
+            if proc is not None:  # a tree restored but not yet reported is CRIU's child
+                restored_pids |= process_tree(proc.pid) - {proc.pid}
             if pid is not None:
                 self._kill_tree(pid)
             if proc is not None:
                 await asyncio.to_thread(kill_restore, proc)
             await _gone(restored_pids)
-            with contextlib.suppress(BaseException):
-                await verify
+            pending: set[asyncio.Future[Any]] = {verify}
+            if restored is not None:
+                pending.add(restored)
+            await asyncio.wait(pending)
+            if restored is not None and not restored.cancelled():
+                restored.exception()  # seen: the error to report is `caught`
             damaged = None if verify.cancelled() else verify.exception()
             if isinstance(damaged, CheckpointCorrupt):
                 err = damaged  # explains a CRIU failure better than CRIU does
@@ -423,6 +481,19 @@ def _proc_state(pid: int) -> str:
             return f.read().rsplit(")", 1)[1].split()[0]
     except (OSError, IndexError):
         return "?"
+
+
+async def _uncancellable(work: Awaitable[Any]) -> Any:
+    """Run `work` to its end even if the caller is cancelled meanwhile; the cancellation
+    is raised once it has ended."""
+    task = asyncio.ensure_future(work)
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        await asyncio.wait({task})
+        if not task.cancelled() and task.exception() is not None:
+            raise task.exception() from None  # type: ignore[misc]
+        raise
 
 
 async def _gone(pids: set[int], timeout: float = 5.0) -> None:

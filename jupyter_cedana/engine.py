@@ -312,7 +312,21 @@ class CheckpointEngine(SingletonConfigurable):
             args.append("--unprivileged")
         return args
 
+    _dump_lock: asyncio.Lock | None = None
+
     async def dump(
+        self, pid: int, images: Path, progress: ProgressCallback | None = None
+    ) -> tuple[float, dict[str, tuple[int, int]]]:
+        """One CRIU dump at a time: CRIU's parasite mounts /proc on a directory it makes,
+        `proc.crtools`, in the working directory of each task it dumps (the kernel's PID
+        namespace does not own the host /proc), so two dumps of kernels sharing a working
+        directory fail with EEXIST. The disk is the bottleneck anyway."""
+        if self._dump_lock is None:
+            self._dump_lock = asyncio.Lock()
+        async with self._dump_lock:
+            return await self._criu_dump(pid, images, progress)
+
+    async def _criu_dump(
         self, pid: int, images: Path, progress: ProgressCallback | None = None
     ) -> tuple[float, dict[str, tuple[int, int]]]:
         """Dump the tree rooted at `pid` into `images`, leaving it stopped (not killed).
@@ -371,6 +385,9 @@ class CheckpointEngine(SingletonConfigurable):
                     raise SuspendFailed(f"CRIU dump took longer than {self.dump_timeout:.0f} s")
         except asyncio.CancelledError:
             proc.kill()
+            # The caller continues the tree once CRIU has let go of it (it may have
+            # stopped it), so CRIU must be gone before this returns.
+            await asyncio.shield(wait)
             raise
         finally:
             sums = await asyncio.to_thread(hasher.finish)

@@ -291,6 +291,13 @@ class MessageGate:
                 if self.state(kid) == "running" and not self.manager.transition_pending(kid):
                     break
                 self.log.info("Kernel %s is being suspended again: resuming it first", kid)
+        except asyncio.CancelledError:
+            # The resume was cancelled (a shutdown, a restart, a timeout), or this task.
+            self._refuse_all(kid, "the resume was cancelled")
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise
+            return
         except Exception as e:
             self._refuse_all(kid, e.message if isinstance(e, CedanaError) else str(e))
             return

@@ -9,12 +9,10 @@ import contextlib
 import datetime as dt
 import json
 import os
-import shutil
 import signal
 import time
 import uuid
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -33,49 +31,11 @@ from . import test_server as server
 
 # The server fixtures of test_server (pytest finds fixtures by module attribute).
 api, new_kernel, started, manager = server.api, server.new_kernel, server.started, server.manager
+jp_server_config = server.jp_server_config
 
 pytestmark = pytest.mark.criu
 
 V1 = "v1.kernel.websocket.jupyter.org"
-REAL_CRIU = next(
-    (p for p in ("/usr/local/sbin/criu", "/usr/sbin/criu") if os.access(p, os.X_OK)),
-    shutil.which("criu") or "criu",
-)
-WRAPPER = """#!/bin/sh
-# Test wrapper: while {d}/hold-<cmd> exists, `criu <cmd>` (dump or restore) waits for
-# {d}/go-<cmd>; it fails instead of running criu if that file says "fail".
-cmd=
-for a in "$@"; do case "$a" in dump|restore) cmd=$a; break;; esac; done
-if [ -n "$cmd" ] && [ -e "{d}/hold-$cmd" ]; then
-  touch "{d}/held-$cmd"
-  while [ ! -e "{d}/go-$cmd" ]; do sleep 0.01; done
-  verdict=$(cat "{d}/go-$cmd"); rm -f "{d}/go-$cmd" "{d}/held-$cmd"
-  if [ "$verdict" = fail ]; then echo "test wrapper: criu $cmd failed" >&2; exit 1; fi
-fi
-exec {criu} "$@"
-"""
-
-
-class CriuGate:
-    """Holds `criu dump` or `criu restore` mid-flight until the test lets it go."""
-
-    def __init__(self, folder: Path):
-        self.dir = folder
-        self.path = folder / "criu"
-        self.path.write_text(WRAPPER.format(d=folder, criu=REAL_CRIU))
-        self.path.chmod(0o755)
-
-    def hold(self, cmd: str) -> None:
-        (self.dir / f"hold-{cmd}").touch()
-
-    async def held(self, cmd: str) -> None:
-        await until(lambda: (self.dir / f"held-{cmd}").exists(), f"criu {cmd} to start")
-
-    def go(self, cmd: str, fail: bool = False) -> None:
-        (self.dir / f"hold-{cmd}").unlink()
-        tmp = self.dir / f".go-{cmd}"
-        tmp.write_text("fail" if fail else "go")
-        tmp.rename(self.dir / f"go-{cmd}")
 
 
 async def until(condition: Callable[[], Any], what: str, timeout: float = 120) -> None:
@@ -87,20 +47,10 @@ async def until(condition: Callable[[], Any], what: str, timeout: float = 120) -
 
 
 @pytest.fixture
-def criu_gate(tmp_path: Path) -> CriuGate:
-    folder = tmp_path / "criu-gate"
-    folder.mkdir()
-    return CriuGate(folder)
-
-
-@pytest.fixture
-def jp_server_config(checkpoint_root: Path, criu_gate: CriuGate) -> dict[str, Any]:
-    return {
-        "ServerApp": {"jpserver_extensions": {"jupyter_cedana": True}},
-        "CedanaApp": {"checkpoint_root": str(checkpoint_root)},
-        "CheckpointEngine": {"criu_path": str(criu_gate.path)},
-        "SuspendPolicy": {"idle_timeout": 0, "check_interval": 0.2},
-    }
+def held_criu(criu_hold: Any, jp_serverapp: Any) -> Any:
+    """The server's criu runs through the wrapper that holds it mid-flight."""
+    criu_hold.attach(manager(jp_serverapp).engine)
+    return criu_hold
 
 
 class Client:
@@ -461,16 +411,16 @@ async def test_suspend_while_a_client_connects(api, new_kernel, connect, jp_serv
 
 
 async def test_messages_during_a_dump_wait_for_the_resume(
-    api, new_kernel, connect, jp_serverapp, criu_gate
+    api, new_kernel, connect, jp_serverapp, held_criu
 ):
     """Messages sent while the kernel is being frozen are held, never delivered to the
     freezing kernel, and delivered exactly once after the resume."""
     kid = await new_kernel()
     first = await connect(kid)
     await first.run("n = 0")
-    criu_gate.hold("dump")
+    held_criu.arm("dump", "before")
     await api("POST", "kernels", kid, "suspend", wait="0")
-    await criu_gate.held("dump")
+    await held_criu.wait_reached("dump", "before")
     assert state(jp_serverapp, kid) == "suspending"
 
     second = await connect(kid)
@@ -478,22 +428,22 @@ async def test_messages_during_a_dump_wait_for_the_resume(
     assert info["reply"]["content"]["status"] == "ok"
     bump = second.execute("n += 1; print(n)")
     await until(lambda: gate(jp_serverapp).busy(kid), "the execute to be held")
-    criu_gate.go("dump")
+    held_criu.release("dump", "before")
     got = await second.answer(bump)
     assert got["reply"]["content"]["status"] == "ok" and got["stdout"] == "1\n"
     assert await first.run("print(n)") == "1\n"
 
 
 async def test_failed_resume_answers_every_held_request(
-    api, new_kernel, connect, jp_serverapp, criu_gate
+    api, new_kernel, connect, jp_serverapp, held_criu
 ):
     kid = await new_kernel()
     a, b, c = await connect(kid), await connect(kid, "json"), await connect(kid)
     await a.run("z = 3")
     await api("POST", "kernels", kid, "suspend")
-    criu_gate.hold("restore")
+    held_criu.arm("restore", "before")
     first = a.execute("print(z)")
-    await criu_gate.held("restore")
+    await held_criu.wait_reached("restore", "before")
     assert state(jp_serverapp, kid) == "resuming"
     b.execute("print(z * 2)")
     b.send("debug_request", {"seq": 1, "type": "request", "command": "debugInfo"}, "control")
@@ -504,7 +454,7 @@ async def test_failed_resume_answers_every_held_request(
     )
     await until(lambda: len(gate(jp_serverapp)._held.get(kid, [])) == 5, "5 held messages")
     b.ws.close()
-    criu_gate.go("restore", fail=True)
+    held_criu.release("restore", "before", fail=True)
 
     for client, msg_id, kind in [(a, first, "execute"), (a, probe, "debug"), (c, later, "execute")]:
         got = await client.answer(msg_id)
@@ -543,3 +493,24 @@ async def test_policy_leaves_a_kernel_alone_until_it_took_a_request(
     idle_for_hours(jp_serverapp, kid)
     await m.check()
     await suspended(jp_serverapp, kid)
+
+
+async def test_restart_during_a_held_resume_answers_the_held_cell(
+    api, new_kernel, connect, jp_fetch, jp_serverapp, held_criu
+):
+    kid = await new_kernel()
+    client = await connect(kid)
+    await client.run("gone = 1")
+    await api("POST", "kernels", kid, "suspend")
+    held_criu.arm("restore", "before")
+    cell = client.execute("print(gone)")
+    await held_criu.wait_reached("restore", "before")
+    restart = asyncio.ensure_future(
+        jp_fetch("api", "kernels", kid, "restart", method="POST", body="")
+    )
+    got = await client.answer(cell)
+    assert got["reply"]["content"]["status"] == "error"
+    assert "could not be resumed" in got["reply"]["content"]["evalue"]
+    held_criu.disarm()
+    assert (await restart).code == 200
+    assert await client.run("print('gone' in dir())") == "False\n"
