@@ -14,15 +14,16 @@ import shutil
 import signal
 import subprocess
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
-from .engine import CheckpointEngine, kill_restore
+from .engine import CheckpointEngine, dir_bytes, kill_restore
 from .errors import (
     CedanaError,
     CheckpointCorrupt,
     Conflict,
     InsufficientGpuMemory,
+    InsufficientStorage,
     NotCheckpointable,
     ResumeFailed,
     SuspendFailed,
@@ -45,6 +46,9 @@ class Checkpointing(TransitionMachine):
     gpu_memory_freed: int = 0
     _gpu_state: dict[str, Any] | None = None
     _chores: set[asyncio.Future[Any]]
+    # (kernel id, image bytes) -> None, or raises to refuse a dumped image before it is
+    # committed (the checkpoint budget; set by the suspend manager).
+    image_guard: Callable[[str, int], None] | None = None
 
     @property
     def engine(self) -> CheckpointEngine:
@@ -156,6 +160,8 @@ class Checkpointing(TransitionMachine):
         try:
             dump_s, sums = await engine.dump(self.pid or 0, tmp, progress=self._set_progress)
             stopped = True
+            if self.image_guard is not None:
+                self.image_guard(kid, dir_bytes(tmp))
             self._set_progress("verify", None, None)
             manifest = await asyncio.to_thread(
                 store.commit,
@@ -179,7 +185,7 @@ class Checkpointing(TransitionMachine):
                 with contextlib.suppress(Exception):
                     await gpu.restore(gpu_state, None, admission=False)
                 gpu_state = None
-            if isinstance(e, SuspendFailed | asyncio.CancelledError):
+            if isinstance(e, SuspendFailed | InsufficientStorage | asyncio.CancelledError):
                 raise
             raise SuspendFailed(f"Suspend of kernel {kid} failed: {e}") from e
         # The image is safe on disk: only now does the kernel's memory go.

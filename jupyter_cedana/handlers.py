@@ -102,8 +102,6 @@ class TransitionHandler(CedanaHandler):
             else:
                 view, done = await self.manager.resume(kernel_id, wait=wait)
         except CedanaError as e:
-            if self.action == "suspend" and e.status >= 500:
-                self.manager.note_suspend_failure(kernel_id, e)
             self.fail(e)
             return
         self.set_status(200 if done else 202)

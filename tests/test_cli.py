@@ -522,26 +522,3 @@ def test_server_shutdown_leaves_no_kernel_process_or_image(tmp_path: Path) -> No
     assert not [n for n in left if n.endswith(".pid")], left
     assert not [n for n in left if not n.startswith(".")], left  # no image of any kernel
     assert not list(server.runtime_dir.glob("jpserver-*.json"))
-
-
-def test_gc_plan_spares_what_may_belong_to_a_starting_kernel(tmp_path: Path) -> None:
-    from jupyter_cedana.checkpoint import CheckpointStore
-    from jupyter_cedana.cli import GC_MIN_AGE, gc_plan
-
-    store = CheckpointStore(tmp_path)
-    logs = tmp_path / ".logs"
-    logs.mkdir()
-    live, gone = str(uuid.uuid4()), str(uuid.uuid4())
-    for kid in (live, gone):
-        (logs / f"{kid}.log").write_text("log")
-        (tmp_path / f".{kid}.pid").write_text("1")
-        (tmp_path / kid).mkdir()  # no manifest: what a racing CRIU leaves
-        (tmp_path / kid / "stats-restore").write_bytes(b"1234")
-    plant_image(tmp_path, orphan := str(uuid.uuid4()))
-
-    now = time.time()
-    fresh = {(i.kind, i.kernel_id) for i in gc_plan(store, keep={live}, now=now)}
-    assert fresh == {("image", orphan)}
-
-    later = {(i.kind, i.kernel_id) for i in gc_plan(store, keep={live}, now=now + GC_MIN_AGE + 1)}
-    assert later == {("image", orphan), ("log", gone), ("pidfile", gone), ("leftover", gone)}
