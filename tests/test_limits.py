@@ -83,9 +83,7 @@ def image(store: CheckpointStore, kid: str, size: int) -> None:
     store.commit(kid, tmp, {})
 
 
-def budget(
-    store: CheckpointStore, limit: int, owners: set[str], min_free: int = 0
-) -> Budget:
+def budget(store: CheckpointStore, limit: int, owners: set[str], min_free: int = 0) -> Budget:
     return Budget(lambda: store, lambda: limit, lambda: min_free, lambda: owners)
 
 
@@ -149,9 +147,7 @@ def test_estimate_counts_memory_and_gpu_memory() -> None:
 # -- backoff -------------------------------------------------------------------------------
 
 # Failure messages as CheckpointEngine.dump words them from CRIU 4.2's log.
-GHOST = (
-    "CRIU dump failed (exit 1): Can't dump ghost file /work/x of 2101248 size, increase limit"
-)
+GHOST = "CRIU dump failed (exit 1): Can't dump ghost file /work/x of 2101248 size, increase limit"
 EXTERNAL = (
     "CRIU dump failed (exit 1): External socket is used. Consider using --ext-unix-sk option."
 )
