@@ -52,6 +52,23 @@ def file_crc32(path: Path, on_bytes: Callable[[int], None] | None = None) -> int
     return crc
 
 
+def fsync_path(path: Path, directory: bool = False) -> None:
+    """fsync a file or a directory (a directory's fsync makes its entries durable)."""
+    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if directory else 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_durably(path: Path, manifest: dict[str, Any]) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump(manifest, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+
+
 class FollowingHasher:
     """CRC-32 of CRIU's page files while CRIU is still writing them (they only grow), so
     that committing an image does not read gigabytes a second time."""
@@ -157,7 +174,10 @@ class CheckpointStore:
         known: dict[str, tuple[int, int]] | None = None,
     ) -> dict[str, Any]:
         """Checksum every image file (reusing `known` (size, crc) pairs that still match
-        the file's size), write the manifest, and rename the directory into place."""
+        the file's size), write the manifest, and rename the directory into place.
+
+        Returns only once the image is durable (files, directory and rename fsynced): the
+        caller kills the kernel next, and the machine may go away right after."""
         t0 = time.monotonic()
         files: dict[str, dict[str, int]] = {}
         total = 0
@@ -171,6 +191,9 @@ class CheckpointStore:
                 crc = file_crc32(entry)
             files[entry.name] = {"size": size, "crc32": crc}
             total += size
+        checksum_s = time.monotonic() - t0
+        for name in files:
+            fsync_path(tmp / name)
         manifest = {
             **manifest,
             "format": FORMAT_VERSION,
@@ -180,18 +203,21 @@ class CheckpointStore:
             "files": files,
             "total_bytes": total,
         }
-        manifest.setdefault("timings", {})["checksum_s"] = time.monotonic() - t0
-        mpath = tmp / MANIFEST
-        fd = os.open(mpath, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            json.dump(manifest, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
+        timings = manifest.setdefault("timings", {})
+        timings["checksum_s"] = checksum_s
+        timings["fsync_s"] = time.monotonic() - t0 - checksum_s
+        _write_durably(tmp / MANIFEST, manifest)
+        fsync_path(tmp, directory=True)
         final = self.path(kernel_id)
-        if final.exists():
+        old = self.detach_image(kernel_id)
+        if old == final:  # could not be renamed away
             shutil.rmtree(final)
+            old = None
         os.rename(tmp, final)
         os.chmod(final, 0o700)
+        fsync_path(self.root, directory=True)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
         return manifest
 
     def read_manifest(self, kernel_id: str) -> dict[str, Any]:
@@ -212,10 +238,9 @@ class CheckpointStore:
     def write_manifest(self, kernel_id: str, manifest: dict[str, Any]) -> None:
         mpath = self.path(kernel_id) / MANIFEST
         tmp = mpath.with_suffix(".tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            json.dump(manifest, f, indent=1)
+        _write_durably(tmp, manifest)
         os.rename(tmp, mpath)
+        fsync_path(mpath.parent, directory=True)
 
     def check_sizes(self, kernel_id: str) -> dict[str, Any]:
         """The cheap half of verify(): every file there with its size. CRIU must never see

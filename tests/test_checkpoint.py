@@ -83,3 +83,41 @@ def test_commit_recomputes_a_stale_known_checksum(tmp_path: Path) -> None:
     (tmp / "pages-1.img").write_bytes(b"abc" * 1000)
     manifest = store.commit("k3", tmp, {}, known={"pages-1.img": (10, 1234)})
     assert manifest["files"]["pages-1.img"]["crc32"] == file_crc32(store.path("k3") / "pages-1.img")
+
+
+def test_commit_returns_only_once_the_image_is_durable(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every file and the directory are fsynced before the rename, the rename after it (the
+    kernel is killed right after commit, and the machine may go away then)."""
+    store = CheckpointStore(tmp_path / "root")
+    image(store, "k4", b"old image")  # a commit that replaces an image
+    events: list[tuple[str, str]] = []
+    real_fsync, real_rename = os.fsync, os.rename
+
+    def fsync(fd: int) -> None:
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        real_fsync(fd)
+
+    def rename(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> None:
+        events.append(("rename", str(dst)))
+        real_rename(src, dst)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "rename", rename)
+    tmp = store.begin("k4")
+    for name in ("pages-1.img", "core-1.img", "pagemap-1.img"):
+        (tmp / name).write_bytes(os.urandom(5000))
+    store.commit("k4", tmp, {})
+    final = str(store.path("k4"))
+    into_place = events.index(("rename", final))
+    before = {path for kind, path in events[:into_place] if kind == "fsync"}
+    assert {str(tmp / n) for n in ("pages-1.img", "core-1.img", "pagemap-1.img")} <= before
+    assert str(tmp / "manifest.json") in before and str(tmp) in before
+    assert ("fsync", str(store.root)) in events[into_place:]
+    assert store.verify("k4")["files"]["pages-1.img"]["size"] == 5000
+
+    events.clear()
+    manifest = store.read_manifest("k4")
+    store.write_manifest("k4", {**manifest, "note": 1})
+    assert ("fsync", final) in events and store.read_manifest("k4")["note"] == 1
