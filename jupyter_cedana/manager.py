@@ -27,6 +27,7 @@ from .limits import Budget, SuspendLimits, TransitionQueue, estimate_image_bytes
 from .policy import KernelFacts, SuspendPolicy
 from .proctree import process_tree
 from .provisioner import CedanaProvisioner, KernelState
+from .status import server_status
 
 MAX_KEEP_AWAKE = 7 * 24 * 3600
 
@@ -88,7 +89,8 @@ class SuspendManager(LoggingConfigurable):
         self._image_owners.append(owner)
 
     def owned_image_ids(self) -> set[str]:
-        owned = set(self.kernel_manager.list_kernel_ids())
+        km = self.kernel_manager
+        owned = set(km.list_kernel_ids()) if km is not None else set()
         for owner in self._image_owners:
             owned.update(owner())
         return owned
@@ -256,35 +258,7 @@ class SuspendManager(LoggingConfigurable):
         return views
 
     def status(self) -> dict[str, Any]:
-        info = self.engine.probe()
-        usage = self.engine.store.usage()
-        gpu: dict[str, Any] = {
-            "available": False,
-            "reason": "GPU monitor not loaded",
-            "driver_version": None,
-            "devices": [],
-            "checkpoint": False,
-        }
-        if self.gpu_monitor is not None:
-            gpu["available"] = bool(self.gpu_monitor.available)
-            gpu["reason"] = self.gpu_monitor.reason
-            gpu["driver_version"] = self.gpu_monitor.driver_version
-            gpu["devices"] = self.gpu_monitor.devices() if self.gpu_monitor.available else []
-        gpu["checkpoint"], cuda_reason = self.engine.cuda_status()
-        if gpu["available"] and not gpu["checkpoint"]:
-            gpu["reason"] = f"GPU memory cannot be checkpointed: {cuda_reason}"
-        return {
-            "available": info.available,
-            "reason": info.reason,
-            "criu_version": info.criu_version,
-            "root": info.pidns,
-            "checkpoint_root": str(self.engine.store.root),
-            "bytes_used": usage.bytes_used,
-            "bytes_free": usage.bytes_free,
-            "budget": self.budget.snapshot(),
-            "queued": self.queue.counts(),
-            "gpu": gpu,
-        }
+        return server_status(self.engine, self.gpu_monitor, self.budget, self.queue)
 
     # -- actions --------------------------------------------------------------------------
 
