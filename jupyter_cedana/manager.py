@@ -65,6 +65,7 @@ class SuspendManager(LoggingConfigurable):
         self._keep_awake: dict[str, float] = {}
         self._gpus: dict[str, list[Any]] = {}
         self._gpus_before_suspend: dict[str, int] = {}
+        self._asked: set[str] = set()  # kernels a person asked to suspend
         self._tasks: dict[str, asyncio.Task[Any]] = {}
         self._loop_task: asyncio.Task[None] | None = None
         self._last_tick = time.monotonic()
@@ -288,6 +289,9 @@ class SuspendManager(LoggingConfigurable):
             raise Conflict(f"Kernel {kernel_id} is resuming; suspend it once it runs")
         if prov.state == KernelState.failed:
             raise Conflict(f"Kernel {kernel_id} failed to resume ({prov.reason}); resume it first")
+        if not auto:
+            # It may join a queued automatic suspend, which must then not be dropped.
+            self._asked.add(kernel_id)
         return await self._transition(
             kernel_id, "suspend", lambda: self._suspend_now(kernel_id, prov, tier, auto), wait
         )
@@ -297,6 +301,9 @@ class SuspendManager(LoggingConfigurable):
     ) -> Any:
         """The suspend itself, once it has a slot: the disk it will take is reserved
         first, and a failure is remembered so that the policy backs off."""
+        asked = kernel_id in self._asked
+        self._asked.discard(kernel_id)
+        auto = auto and not asked
         if auto and not self._still_due(kernel_id, tier):
             self.log.info("Policy: kernel %s no longer due for suspend; not suspending", kernel_id)
             self._emit(kernel_id, "dequeued", prov.state.value, prov.tier)
@@ -375,6 +382,8 @@ class SuspendManager(LoggingConfigurable):
 
             def done(t: asyncio.Task[Any], key: str = key) -> None:
                 self._tasks.pop(key, None)
+                if kind == "suspend":
+                    self._asked.discard(kernel_id)
                 if not t.cancelled() and t.exception() is not None and not wait:
                     self.log.warning("Background %s failed: %s", key, t.exception())
 
@@ -382,7 +391,16 @@ class SuspendManager(LoggingConfigurable):
         if not wait:
             await asyncio.sleep(0)  # let the transition mark its state
             return self.view(kernel_id), task.done()
-        await asyncio.shield(task)
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError:
+            current = asyncio.current_task()
+            if task.cancelled() and not (current is not None and current.cancelling()):
+                raise Conflict(
+                    f"The {kind} of kernel {kernel_id} was cancelled while it waited for a "
+                    "free slot: the kernel was shut down, or the server is stopping"
+                ) from None
+            raise
         return self.view(kernel_id), True
 
     async def _limited(self, kernel_id: str, kind: str, start: Callable[[], Awaitable[Any]]) -> Any:

@@ -278,6 +278,51 @@ async def test_a_queued_policy_suspend_is_dropped_when_no_longer_due(
     criu_gate.release()
 
 
+async def test_a_manual_suspend_joining_a_queued_automatic_one_is_not_dropped(
+    api, new_kernel, connect, criu_gate, events, jp_serverapp
+):
+    mgr = manager(jp_serverapp)
+    busy = await new_kernel()
+    idle = await idle_kernel(new_kernel, connect)
+    criu_gate.hold("dump")
+    await api("POST", "kernels", busy, "suspend", wait="0")
+    await criu_gate.wait_held(1)
+    mgr.policy.idle_timeout = 0.01
+    await until(due(mgr, idle), "the policy to want a suspend")
+    await mgr.check()
+    await api("POST", "kernels", idle, "keep-awake", body={"seconds": 3600})
+    # The policy no longer wants it, but a person does.
+    status, k = await api("POST", "kernels", idle, "suspend", wait="0")
+    assert status == 202 and k["queued"]["action"] == "suspend"
+    criu_gate.release()
+    await until(lambda: state_is(api, idle, "suspended"), "the suspend")
+    await saw(events, idle, ["queued", "keep-awake", "suspending", "suspended"])
+
+
+async def test_a_queued_suspend_of_a_kernel_shut_down_is_answered(
+    api, new_kernel, criu_gate, jp_serverapp
+):
+    mgr = manager(jp_serverapp)
+    first, second = await new_kernel(), await new_kernel()
+    criu_gate.hold("dump")
+    await api("POST", "kernels", first, "suspend", wait="0")
+    (held,) = await criu_gate.wait_held(1)
+    waiting = asyncio.ensure_future(api("POST", "kernels", second, "suspend", spec=SUSPEND))
+
+    async def queued() -> bool:
+        return mgr.queue.queued(second) is not None
+
+    await until(queued, "the second suspend to queue")
+    await mgr.kernel_manager.shutdown_kernel(second)
+    await mgr.check()  # the policy loop drops what waits for kernels that are gone
+    status, err = await asyncio.wait_for(waiting, 60)
+    assert status == 409 and "cancelled while it waited" in err["message"], err
+    assert mgr.queue.counts() == {"suspend": 0, "resume": 0}
+    criu_gate.release(held)
+    await until(lambda: state_is(api, first, "suspended"), "the first suspend")
+    assert criu_gate.count("dump") == 1
+
+
 # -- budget --------------------------------------------------------------------------------
 
 
