@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -288,3 +289,56 @@ def test_failed_resume_shows_the_reason(page: Any, lab_server: LabServer) -> Non
     # The kernel is failed (its checkpoint kept) or back to suspended, never running.
     kernel = _kernel(lab_server, kernel_id)
     assert kernel["state"] in ("failed", "suspended"), kernel
+
+
+def test_a_kernel_that_cannot_be_checkpointed_says_why(
+    page: Any, lab_server: LabServer, tmp_path: Path
+) -> None:
+    """A kernel holding a socket to another process: the sidebar says why it is not
+    suspended, and its Suspend button still tries."""
+    path = tmp_path / "service.sock"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(path))
+    listener.listen(1)
+    connect = f"import socket; s = socket.socket(socket.AF_UNIX); s.connect({str(path)!r})"
+    try:
+        name = _write_notebook(lab_server, "service.ipynb", [connect])
+        kernel_id = _open_notebook(page, lab_server, name)
+        _run_cell(page, 0)
+        _cells(page).nth(0).locator(".jp-InputPrompt", has_text="[1]").wait_for(timeout=60_000)
+        _wait_execution_state(lab_server, kernel_id, "idle")
+        peer, _ = listener.accept()
+        _open_panel(page)
+        card = _card(page, kernel_id)
+        button = card.locator("button.jp-cedana-suspend")
+        page.wait_for_function(
+            """id => {
+                const b = document.querySelector(
+                  `.jp-cedana-kernel[data-kernel-id="${id}"] button.jp-cedana-suspend`);
+                return b && !b.disabled;
+            }""",
+            arg=kernel_id,
+            timeout=30_000,
+        )
+        button.click()
+        note = card.locator(".jp-cedana-backoff.jp-cedana-not-checkpointable")
+        note.wait_for(timeout=SUSPEND_TIMEOUT_MS)
+        text = note.inner_text()
+        assert text.startswith("Not checkpointable"), text
+        assert "socket connected to a process outside the kernel" in text
+        assert card.locator(".jp-cedana-badge").get_attribute("data-state") == "running"
+        page.wait_for_function(
+            """id => {
+                const b = document.querySelector(
+                  `.jp-cedana-kernel[data-kernel-id="${id}"] button.jp-cedana-suspend`);
+                return b && !b.disabled;
+            }""",
+            arg=kernel_id,
+            timeout=30_000,
+        )
+        assert "Suspend tries anyway" in (button.get_attribute("title") or "")
+        card.screenshot(path=str(ARTIFACTS / "panel-not-checkpointable.png"))
+        assert _kernel(lab_server, kernel_id)["backoff"]["not_checkpointable"] is True
+        peer.close()
+    finally:
+        listener.close()
