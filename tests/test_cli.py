@@ -578,3 +578,21 @@ def test_server_shutdown_leaves_no_kernel_process_or_image(tmp_path: Path) -> No
     assert not [n for n in left if n.endswith(".pid")], left
     assert not [n for n in left if not n.startswith(".")], left  # no image of any kernel
     assert not list(server.runtime_dir.glob("jpserver-*.json"))
+
+
+def test_list_says_what_waits_and_what_backs_off() -> None:
+    from jupyter_cedana.cli import kernel_row
+
+    base = {"id": "k", "name": "python3", "idle_seconds": 5, "gpus": [], "checkpoint_bytes": 0}
+    queued = {**base, "state": "running", "queued": {"action": "suspend", "position": 2}}
+    assert kernel_row(queued)[2] == "running, queued to suspend (#2)"
+    stuck = {
+        **base,
+        "state": "running",
+        "reason": "Not checkpointable: it holds a socket connected to a process outside",
+        "backoff": {"failures": 1, "not_checkpointable": True},
+    }
+    row = kernel_row(stuck)
+    assert row[2] == "running, not suspending" and row[-1].startswith("Not checkpointable")
+    failing = {**base, "state": "running", "backoff": {"failures": 3, "not_checkpointable": False}}
+    assert kernel_row(failing)[2] == "running, backing off"
