@@ -17,7 +17,7 @@ from traitlets import Integer
 from traitlets.config import LoggingConfigurable
 
 from .checkpoint import CheckpointStore
-from .errors import CheckpointCorrupt, InsufficientStorage, NotFound
+from .errors import CheckpointCorrupt, Conflict, InsufficientStorage, NotFound
 from .proctree import process_tree
 
 
@@ -160,6 +160,22 @@ class TransitionQueue:
         return {kind: len(slots.waiting) for kind, slots in self._slots.items()}
 
 
+async def settled(task: asyncio.Task[Any], what: str) -> Any:
+    """Wait for a transition; one cancelled while it waited in line (its kernel was shut
+    down, or the server is stopping) is an error for whoever waits, not a cancellation
+    of their own request."""
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        current = asyncio.current_task()
+        if task.cancelled() and not (current is not None and current.cancelling()):
+            raise Conflict(
+                f"{what} was cancelled while it waited for a free slot: the kernel was shut "
+                "down, or the server is stopping"
+            ) from None
+        raise
+
+
 def _iso(ts: float) -> str:
     return dt.datetime.fromtimestamp(ts, tz=dt.timezone.utc).isoformat()
 
@@ -184,6 +200,17 @@ def estimate_image_bytes(pid: int, gpu_bytes: int = 0) -> int:
     """What a dump of the tree at `pid` will write, at most: its memory, plus the GPU
     memory that the CUDA checkpoint copies into host memory before CRIU dumps it."""
     return sum(_rollup(p) for p in process_tree(pid)) + max(0, gpu_bytes)
+
+
+def gpu_bytes(pid: int, monitor: Any, sampled: int) -> int:
+    """GPU memory the tree at `pid` holds now, from the GPU monitor; `sampled` (the last
+    policy check's) when it cannot say."""
+    if monitor is None or not monitor.available:
+        return sampled
+    try:
+        return sum(u.memory_bytes for u in monitor.usage(process_tree(pid)))
+    except Exception:
+        return sampled
 
 
 @dataclass
@@ -235,6 +262,14 @@ class Budget:
 
     def orphans(self) -> list[Image]:
         return self._split()[1]
+
+    def describe(self, orphans: list[Image]) -> str:
+        return (
+            f"{len(orphans)} checkpoint image(s), {_size(sum(i.bytes for i in orphans))} under "
+            f"{self._store().root} belong to no kernel (left by a crash?); they do not count "
+            "against the checkpoint budget, and `jupyter cedana gc` removes them: "
+            + ", ".join(i.kernel_id for i in orphans)
+        )
 
     @property
     def reserved(self) -> int:

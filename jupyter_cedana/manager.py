@@ -23,7 +23,14 @@ from .checkpoint import validate_kernel_id
 from .engine import CheckpointEngine
 from .errors import CedanaError, Conflict, EngineUnavailable, InsufficientStorage, NotFound
 from .kernel_events import EVENT_SCHEMA, EVENT_SCHEMA_FILE, KernelEvents
-from .limits import Budget, SuspendLimits, TransitionQueue, estimate_image_bytes
+from .limits import (
+    Budget,
+    SuspendLimits,
+    TransitionQueue,
+    estimate_image_bytes,
+    gpu_bytes,
+    settled,
+)
 from .policy import KernelFacts, SuspendPolicy
 from .proctree import process_tree
 from .provisioner import CedanaProvisioner, KernelState
@@ -106,15 +113,7 @@ class SuspendManager(LoggingConfigurable):
     def report_orphans(self) -> None:
         orphans = self.budget.orphans()
         if orphans:
-            self.log.warning(
-                "jupyter-cedana: %d checkpoint image(s), %d bytes under %s belong to no "
-                "kernel (left by a crash?); they do not count against the checkpoint "
-                "budget, and `jupyter cedana gc` removes them: %s",
-                len(orphans),
-                sum(i.bytes for i in orphans),
-                self.engine.store.root,
-                ", ".join(i.kernel_id for i in orphans),
-            )
+            self.log.warning("jupyter-cedana: %s", self.budget.describe(orphans))
 
     async def stop(self) -> None:
         if self._loop_task is not None:
@@ -312,10 +311,10 @@ class SuspendManager(LoggingConfigurable):
             prov.state == KernelState.running
             or (prov.state == KernelState.suspended and prov.tier == "offload")
         )
+        if prov.state == KernelState.running:
+            self._gpus_before_suspend[kernel_id] = len(self._gpus.get(kernel_id, []))
         try:
             if reserve:
-                if prov.state == KernelState.running:
-                    self._gpus_before_suspend[kernel_id] = len(self._gpus.get(kernel_id, []))
                 try:
                     self.budget.reserve(kernel_id, self._estimate(kernel_id, prov))
                 except InsufficientStorage as e:
@@ -356,12 +355,8 @@ class SuspendManager(LoggingConfigurable):
         (then it is in host memory)."""
         if prov.state != KernelState.running or not prov.pid:
             return estimate_image_bytes(prov.pid or 0)
-        gpu = sum(g.memory_bytes for g in self._gpus.get(kernel_id, []))
-        monitor = self.gpu_monitor
-        if monitor is not None and monitor.available:
-            with contextlib.suppress(Exception):
-                gpu = sum(u.memory_bytes for u in monitor.usage(process_tree(prov.pid)))
-        return estimate_image_bytes(prov.pid, gpu)
+        sampled = sum(g.memory_bytes for g in self._gpus.get(kernel_id, []))
+        return estimate_image_bytes(prov.pid, gpu_bytes(prov.pid, self.gpu_monitor, sampled))
 
     async def resume(self, kernel_id: str, wait: bool = True) -> tuple[dict[str, Any], bool]:
         prov = self._managed(kernel_id)
@@ -391,16 +386,7 @@ class SuspendManager(LoggingConfigurable):
         if not wait:
             await asyncio.sleep(0)  # let the transition mark its state
             return self.view(kernel_id), task.done()
-        try:
-            await asyncio.shield(task)
-        except asyncio.CancelledError:
-            current = asyncio.current_task()
-            if task.cancelled() and not (current is not None and current.cancelling()):
-                raise Conflict(
-                    f"The {kind} of kernel {kernel_id} was cancelled while it waited for a "
-                    "free slot: the kernel was shut down, or the server is stopping"
-                ) from None
-            raise
+        await settled(task, f"The {kind} of kernel {kernel_id}")
         return self.view(kernel_id), True
 
     async def _limited(self, kernel_id: str, kind: str, start: Callable[[], Awaitable[Any]]) -> Any:
@@ -426,7 +412,7 @@ class SuspendManager(LoggingConfigurable):
             task = self._tasks.get(key)
             if task is not None:
                 with contextlib.suppress(CedanaError):
-                    await asyncio.shield(task)
+                    await settled(task, f"The transition of kernel {kernel_id}")
         if self.state_of(kernel_id) != KernelState.running.value:
             await self.resume(kernel_id)
 
