@@ -25,6 +25,7 @@ from jupyter_cedana.cuda import CudaCheckpointer
 from jupyter_cedana.engine import CheckpointEngine
 from jupyter_cedana.gpu import GpuMonitor
 from jupyter_cedana.limits import SuspendLimits
+from jupyter_cedana.parking import KernelParking
 from jupyter_cedana.policy import SuspendPolicy
 
 DOCS = Path(__file__).resolve().parent
@@ -36,6 +37,7 @@ CLASSES: list[type[Configurable]] = [
     SuspendPolicy,
     SuspendLimits,
     SuspendBackoff,
+    KernelParking,
     CheckpointEngine,
     GpuMonitor,
     CudaCheckpointer,

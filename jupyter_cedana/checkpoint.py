@@ -328,6 +328,12 @@ class CheckpointStore:
             and (p / MANIFEST).is_file()
         )
 
+    def size_of(self, kernel_id: str) -> int:
+        try:
+            return int(self.read_manifest(kernel_id)["total_bytes"])
+        except (NotFound, CheckpointCorrupt):
+            return 0
+
     def usage(self) -> Usage:
         used = 0
         if self.root.is_dir():

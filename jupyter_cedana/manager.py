@@ -31,6 +31,7 @@ from .limits import (
     gpu_bytes,
     settled,
 )
+from .parkrecords import parked_kernel_ids
 from .policy import KernelFacts, SuspendPolicy
 from .proctree import process_tree
 from .provisioner import CedanaProvisioner, KernelState
@@ -97,8 +98,10 @@ class SuspendManager(LoggingConfigurable):
         self._image_owners.append(owner)
 
     def owned_image_ids(self) -> set[str]:
+        """Kernels whose images are someone's: this server's, and parked ones."""
         km = self.kernel_manager
         owned = set(km.list_kernel_ids()) if km is not None else set()
+        owned |= parked_kernel_ids(self.engine.store)
         for owner in self._image_owners:
             owned.update(owner())
         return owned

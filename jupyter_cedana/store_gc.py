@@ -24,6 +24,7 @@ from typing import Any
 
 from .checkpoint import _ID_RE, MANIFEST, ROOT_MARKER, CheckpointStore
 from .errors import CheckpointCorrupt, NotFound
+from .parkrecords import RECORDS, parked_kernel_ids
 
 #: Logs, pid files and work directories younger than this are left alone: they may belong
 #: to a kernel that is starting and not yet listed by its server.
@@ -124,12 +125,13 @@ def has_marker(root: Path) -> bool:
 
 
 def plan(store: CheckpointStore, keep: set[str], now: float | None = None) -> Plan:
-    """What gc removes under the store's root: images of kernels not in `keep`, partial
-    dumps whose writer (the server process named in the name) is gone, deletions left
-    half done; and, under a marked root, logs, pid files and CRIU work directories of
-    kernels not in `keep` once older than GC_MIN_AGE."""
+    """What gc removes under the store's root: images of kernels not in `keep` and not
+    parked, partial dumps whose writer (the server process named in the name) is gone,
+    deletions left half done; and, under a marked root, logs, pid files and CRIU work
+    directories of such kernels once older than GC_MIN_AGE."""
     now = time.time() if now is None else now
     root = store.root
+    keep = keep | parked_kernel_ids(store)
     remove: list[Leftover] = []
     foreign: list[Foreign] = []
     if not root.is_dir():
@@ -150,8 +152,8 @@ def plan(store: CheckpointStore, keep: set[str], now: float | None = None) -> Pl
             continue
         if stat.S_ISLNK(st.st_mode):
             leave(path, "a symbolic link")
-        elif name in (".logs", ".work", ROOT_MARKER):
-            continue  # looked at below
+        elif name in (".logs", ".work", ROOT_MARKER, RECORDS):
+            continue  # looked at below; park records are parking's own business
         elif _ID_RE.match(name):
             if is_image(store, path):
                 if name not in keep:

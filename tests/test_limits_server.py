@@ -383,6 +383,14 @@ async def test_image_owners_hook_counts_parked_images(api, jp_serverapp, orphan)
     assert st["budget"]["orphaned_images"] == 0 and st["budget"]["used"] == 100_000
 
 
+async def test_parked_images_are_owned(api, checkpoint_root, orphan):
+    records = checkpoint_root / ".parked"
+    records.mkdir(mode=0o700)
+    (records / f"{orphan}.json").write_text("{}")  # parked by a server that stopped
+    _, st = await api("GET", "status")
+    assert st["budget"]["orphaned_images"] == 0 and st["budget"]["used"] == 100_000
+
+
 async def test_suspend_is_refused_when_the_disk_would_fill(api, new_kernel, jp_serverapp):
     mgr = manager(jp_serverapp)
     kid = await new_kernel()

@@ -182,3 +182,19 @@ def test_an_entry_replaced_after_planning_is_left_alone(tmp_path: Path) -> None:
     removed, errors = store_gc.apply(plan.remove)
     assert removed == [] and len(errors) == 1 and "changed" in errors[0]
     assert (victim / "precious").read_text() == "keep me"
+
+
+def test_parked_kernels_keep_their_images(tmp_path: Path) -> None:
+    """A parked kernel (a record under .parked/, written when its server stopped) owns its
+    image although no running server lists it; the records are parking's own."""
+    store = CheckpointStore(tmp_path)
+    store.ensure_root()
+    parked, orphan = str(uuid.uuid4()), str(uuid.uuid4())
+    image(store, parked)
+    image(store, orphan)
+    records = tmp_path / ".parked"
+    records.mkdir(mode=0o700)
+    (records / f"{parked}.json").write_text("{}")
+    plan = store_gc.plan(store, keep=set())
+    assert {(i.kind, i.kernel_id) for i in plan.remove} == {("image", orphan)}
+    assert ".parked" not in {f.path.name for f in plan.foreign}
