@@ -26,8 +26,11 @@ class SuspendLimits(LoggingConfigurable):
 
     max_concurrent_suspends = Integer(
         2,
-        help="Most suspends (dumps to disk or GPU offloads) that run at the same time; "
-        "more wait in line (shown as queued). 0: no limit.",
+        help="Most suspends (GPU offload, dump to disk, commit of the image) that run at "
+        "the same time; more wait in line (shown as queued), holding neither GPU memory "
+        "copies nor disk reservations. CRIU's own dumps run one at a time in any case "
+        "(CheckpointEngine); 2 lets one kernel's dump overlap another's GPU copy or image "
+        "fsync. 0: no limit.",
     ).tag(config=True)
 
     max_concurrent_resumes = Integer(
