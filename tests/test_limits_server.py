@@ -3,9 +3,9 @@
 """Limits under concurrency, the checkpoint budget and the backoff of failed suspends, with
 a real jupyter server, real kernels and real CRIU.
 
-Transitions are held mid-flight by a criu wrapper that waits for a file before it runs
-CRIU; the policy is run one check at a time (`SuspendManager.check()`), never by waiting
-for its loop.
+Transitions are held mid-flight by the criu wrapper of tests/criu_hold.py (`criu_hold`
+fixture), before CRIU runs; the policy is run one check at a time
+(`SuspendManager.check()`), never by waiting for its loop.
 """
 
 from __future__ import annotations
@@ -32,25 +32,6 @@ pytestmark = pytest.mark.criu
 
 SUSPEND, RESUME = "/kernels/{kernel_id}/suspend", "/kernels/{kernel_id}/resume"
 
-CRIU = "/usr/local/sbin/criu"
-
-WRAPPER = """#!/bin/bash
-# criu for tests: records every dump and restore, and while $DIR/hold-<command> exists
-# waits (before CRIU runs) until $DIR/release-<pid> or $DIR/release-all appears.
-dir="@DIR@"
-cmd="$1"; [ "$cmd" = "--unprivileged" ] && cmd="$2"
-case "$cmd" in
-  dump|restore)
-    echo "$$" >> "$dir/$cmd.log"
-    if [ -e "$dir/hold-$cmd" ]; then
-      touch "$dir/waiting-$$"
-      while [ ! -e "$dir/release-$$" ] && [ ! -e "$dir/release-all" ]; do sleep 0.02; done
-      rm -f "$dir/waiting-$$"
-    fi ;;
-esac
-exec @CRIU@ "$@"
-"""
-
 
 async def until(check: Callable[[], Awaitable[bool]], what: str, timeout: float = 120) -> None:
     """Wait for a condition; the deadline only turns a hang into a failure."""
@@ -58,46 +39,6 @@ async def until(check: Callable[[], Awaitable[bool]], what: str, timeout: float 
     while not await check():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         await asyncio.sleep(0.05)
-
-
-class CriuGate:
-    def __init__(self, directory: Path):
-        self.dir = directory
-        self.path = directory / "criu"
-        self.path.write_text(WRAPPER.replace("@DIR@", str(directory)).replace("@CRIU@", CRIU))
-        self.path.chmod(0o755)
-
-    def hold(self, command: str) -> None:
-        (self.dir / f"hold-{command}").touch()
-
-    def count(self, command: str) -> int:
-        log = self.dir / f"{command}.log"
-        return len(log.read_text().split()) if log.exists() else 0
-
-    def waiting(self) -> list[int]:
-        return sorted(int(p.name.split("-", 1)[1]) for p in self.dir.glob("waiting-*"))
-
-    async def wait_held(self, n: int, besides: tuple[int, ...] = ()) -> list[int]:
-        """The pids of `n` criu held now, other than `besides` (released already)."""
-
-        def held() -> list[int]:
-            return [pid for pid in self.waiting() if pid not in besides]
-
-        async def enough() -> bool:
-            return len(held()) >= n
-
-        await until(enough, f"{n} held criu")
-        return held()
-
-    def release(self, pid: int | None = None) -> None:
-        (self.dir / (f"release-{pid}" if pid else "release-all")).touch()
-
-
-@pytest.fixture
-def criu_gate(tmp_path: Path) -> CriuGate:
-    d = tmp_path / "criu-gate"
-    d.mkdir()
-    return CriuGate(d)
 
 
 @pytest.fixture
@@ -112,11 +53,11 @@ def orphan(checkpoint_root: Path) -> str:
 
 
 @pytest.fixture
-def jp_server_config(checkpoint_root: Path, criu_gate: CriuGate, orphan: str) -> dict[str, Any]:
+def jp_server_config(checkpoint_root: Path, criu_hold: Any, orphan: str) -> dict[str, Any]:
     return {
         "ServerApp": {"jpserver_extensions": {"jupyter_cedana": True}},
         "CedanaApp": {"checkpoint_root": str(checkpoint_root)},
-        "CheckpointEngine": {"criu_path": str(criu_gate.path), "ghost_limit": 1 << 20},
+        "CheckpointEngine": {"criu_path": str(criu_hold.wrapper), "ghost_limit": 1 << 20},
         # The policy loop checks once at start; tests run each further check themselves.
         "SuspendPolicy": {"idle_timeout": 0, "check_interval": 3600},
         "SuspendLimits": {"max_concurrent_suspends": 1, "max_concurrent_resumes": 1},
@@ -207,13 +148,13 @@ def settled(mgr: Any, kid: str) -> Callable[[], Awaitable[bool]]:
 
 
 async def test_suspends_beyond_the_limit_wait_in_line(
-    api, new_kernel, criu_gate, events, jp_serverapp
+    api, new_kernel, criu_hold, events, jp_serverapp
 ):
     first, second = await new_kernel(), await new_kernel()
-    criu_gate.hold("dump")
+    criu_hold.arm("dump", "before")
     status, k1 = await api("POST", "kernels", first, "suspend", wait="0", spec=SUSPEND)
     assert status == 202 and k1["state"] == "suspending" and k1["queued"] is None
-    (held,) = await criu_gate.wait_held(1)
+    await criu_hold.wait_reached("dump", "before")
 
     status, k2 = await api("POST", "kernels", second, "suspend", wait="0", spec=SUSPEND)
     assert status == 202
@@ -221,93 +162,90 @@ async def test_suspends_beyond_the_limit_wait_in_line(
     assert k2["queued"]["action"] == "suspend" and k2["queued"]["position"] == 1
     _, st = await api("GET", "status", spec="/status")
     assert st["queued"] == {"suspend": 1, "resume": 0}
-    await saw(events, second, ["queued"])
-    assert criu_gate.count("dump") == 1  # CRIU never started for the second
+    await saw(events, second, ["queued"])  # not started
 
-    criu_gate.release(held)
-    await criu_gate.wait_held(1, besides=(held,))  # the second one's, once the first is done
+    criu_hold.arm("dump", "before")  # hold the next dump: the second one's
+    criu_hold.release("dump", "before")
+    await criu_hold.wait_reached("dump", "before")
     _, k1 = await api("GET", "kernels", first)
     _, k2 = await api("GET", "kernels", second)
-    assert k1["state"] == "suspended"
+    assert k1["state"] == "suspended"  # the second started once the first was done
     assert k2["state"] == "suspending" and k2["queued"] is None
-    criu_gate.release()
+    criu_hold.release("dump", "before")
     await until(lambda: state_is(api, second, "suspended"), "the second suspend")
     await saw(events, second, ["queued", "suspending", "suspended"])
-    assert criu_gate.count("dump") == 2
 
 
-async def test_resumes_beyond_the_limit_wait_in_line(api, new_kernel, criu_gate):
+async def test_resumes_beyond_the_limit_wait_in_line(api, new_kernel, criu_hold):
     first, second = await new_kernel(), await new_kernel()
     for kid in (first, second):
         assert (await api("POST", "kernels", kid, "suspend"))[0] == 200
-    criu_gate.hold("restore")
+    criu_hold.arm("restore", "before")
     status, _ = await api("POST", "kernels", first, "resume", wait="0")
     assert status == 202
-    await criu_gate.wait_held(1)
+    await criu_hold.wait_reached("restore", "before")
     status, k2 = await api("POST", "kernels", second, "resume", wait="0", spec=RESUME)
     assert status == 202
     assert k2["state"] == "suspended" and k2["queued"]["action"] == "resume"
-    criu_gate.release()
+    criu_hold.release("restore", "before")
     for kid in (first, second):
         await until(lambda kid=kid: state_is(api, kid, "running"), f"resume of {kid}")
-    assert criu_gate.count("restore") == 2
 
 
-async def test_a_queued_policy_suspend_is_dropped_when_no_longer_due(
-    api, new_kernel, connect, criu_gate, events, jp_serverapp
-):
-    mgr = manager(jp_serverapp)
+async def policy_suspend_in_line(
+    api: Any, new_kernel: Any, connect: Any, criu_hold: Any, mgr: Any
+) -> str:
+    """An idle kernel whose automatic suspend waits behind another kernel's held dump
+    (max_concurrent_suspends = 1)."""
     busy = await new_kernel()
     idle = await idle_kernel(new_kernel, connect)
-    criu_gate.hold("dump")
+    criu_hold.arm("dump", "before")
     await api("POST", "kernels", busy, "suspend", wait="0")
-    (held,) = await criu_gate.wait_held(1)
-
+    await criu_hold.wait_reached("dump", "before")
     mgr.policy.idle_timeout = 0.01
     await until(due(mgr, idle), "the policy to want a suspend")
     await mgr.check()
     _, k = await api("GET", "kernels", idle)
     assert k["queued"] and k["queued"]["action"] == "suspend", k
+    return idle
+
+
+async def test_a_queued_policy_suspend_is_dropped_when_no_longer_due(
+    api, new_kernel, connect, criu_hold, events, jp_serverapp
+):
+    mgr = manager(jp_serverapp)
+    idle = await policy_suspend_in_line(api, new_kernel, connect, criu_hold, mgr)
     # While it waits, someone asks to keep the kernel awake: the policy changes its mind.
     await api("POST", "kernels", idle, "keep-awake", body={"seconds": 3600})
-    criu_gate.release(held)
+    criu_hold.release("dump", "before")
     await until(settled(mgr, idle), "the queued suspend to end")
-    await saw(events, idle, ["queued", "keep-awake", "dequeued"])
+    await saw(events, idle, ["queued", "keep-awake", "dequeued"])  # never dumped
     _, k = await api("GET", "kernels", idle)
     assert k["state"] == "running" and k["queued"] is None
-    assert criu_gate.count("dump") == 1
-    criu_gate.release()
 
 
 async def test_a_manual_suspend_joining_a_queued_automatic_one_is_not_dropped(
-    api, new_kernel, connect, criu_gate, events, jp_serverapp
+    api, new_kernel, connect, criu_hold, events, jp_serverapp
 ):
     mgr = manager(jp_serverapp)
-    busy = await new_kernel()
-    idle = await idle_kernel(new_kernel, connect)
-    criu_gate.hold("dump")
-    await api("POST", "kernels", busy, "suspend", wait="0")
-    await criu_gate.wait_held(1)
-    mgr.policy.idle_timeout = 0.01
-    await until(due(mgr, idle), "the policy to want a suspend")
-    await mgr.check()
+    idle = await policy_suspend_in_line(api, new_kernel, connect, criu_hold, mgr)
     await api("POST", "kernels", idle, "keep-awake", body={"seconds": 3600})
     # The policy no longer wants it, but a person does.
     status, k = await api("POST", "kernels", idle, "suspend", wait="0")
     assert status == 202 and k["queued"]["action"] == "suspend"
-    criu_gate.release()
+    criu_hold.release("dump", "before")
     await until(lambda: state_is(api, idle, "suspended"), "the suspend")
     await saw(events, idle, ["queued", "keep-awake", "suspending", "suspended"])
 
 
 async def test_a_queued_suspend_of_a_kernel_shut_down_is_answered(
-    api, new_kernel, criu_gate, jp_serverapp
+    api, new_kernel, criu_hold, events, jp_serverapp
 ):
     mgr = manager(jp_serverapp)
     first, second = await new_kernel(), await new_kernel()
-    criu_gate.hold("dump")
+    criu_hold.arm("dump", "before")
     await api("POST", "kernels", first, "suspend", wait="0")
-    (held,) = await criu_gate.wait_held(1)
+    await criu_hold.wait_reached("dump", "before")
     waiting = asyncio.ensure_future(api("POST", "kernels", second, "suspend", spec=SUSPEND))
 
     async def queued() -> bool:
@@ -319,24 +257,24 @@ async def test_a_queued_suspend_of_a_kernel_shut_down_is_answered(
     status, err = await asyncio.wait_for(waiting, 60)
     assert status == 409 and "cancelled while it waited" in err["message"], err
     assert mgr.queue.counts() == {"suspend": 0, "resume": 0}
-    criu_gate.release(held)
+    await saw(events, second, ["queued"])  # never started
+    criu_hold.release("dump", "before")
     await until(lambda: state_is(api, first, "suspended"), "the first suspend")
-    assert criu_gate.count("dump") == 1
 
 
 # -- budget --------------------------------------------------------------------------------
 
 
 async def test_concurrent_suspends_cannot_overshoot_the_budget(
-    api, new_kernel, connect, criu_gate, events, jp_serverapp, checkpoint_root, orphan
+    api, new_kernel, connect, criu_hold, events, jp_serverapp, checkpoint_root, orphan
 ):
     mgr = manager(jp_serverapp)
     mgr.limits.max_concurrent_suspends = 2
     first = await idle_kernel(new_kernel, connect)
     second = await idle_kernel(new_kernel, connect)
-    criu_gate.hold("dump")
+    criu_hold.arm("dump", "before")
     await api("POST", "kernels", first, "suspend", wait="0")
-    await criu_gate.wait_held(1)
+    await criu_hold.wait_reached("dump", "before")
     _, st = await api("GET", "status", spec="/status")
     reserved = st["budget"]["reserved"]
     assert reserved > 10 << 20  # the first kernel's memory, reserved before its dump
@@ -349,15 +287,14 @@ async def test_concurrent_suspends_cannot_overshoot_the_budget(
     assert status == 507 and err["code"] == "insufficient_storage", err
     assert "Checkpoint budget exceeded" in err["message"]
     assert "reserved by dumps under way" in err["message"]
-    assert criu_gate.count("dump") == 1  # refused before CRIU ran
     assert not list(checkpoint_root.glob(f".{second}.tmp-*"))
     _, k2 = await api("GET", "kernels", second)
     assert k2["state"] == "running"
     assert k2["backoff"] is not None and not k2["backoff"]["not_checkpointable"]
-    await saw(events, second, ["failed"])
+    await saw(events, second, ["failed"])  # refused before any dump: no "suspending"
     assert "budget" in next(e for e in events if e["kernel_id"] == second)["reason"]
 
-    criu_gate.release()
+    criu_hold.release("dump", "before")
     await until(lambda: state_is(api, first, "suspended"), "the first suspend")
     _, st = await api("GET", "status", spec="/status")
     assert st["budget"]["reserved"] == 0
@@ -412,7 +349,7 @@ GHOST = (
 
 
 async def test_a_kernel_that_cannot_be_checkpointed_is_not_dumped_at_every_check(
-    api, new_kernel, connect, criu_gate, jp_serverapp
+    api, new_kernel, connect, events, jp_serverapp
 ):
     mgr = manager(jp_serverapp)
     kid = await new_kernel()
@@ -422,7 +359,8 @@ async def test_a_kernel_that_cannot_be_checkpointed_is_not_dumped_at_every_check
     await until(due(mgr, kid), "the policy to want a suspend")
     await mgr.check()
     await until(settled(mgr, kid), "the automatic suspend")
-    assert criu_gate.count("dump") == 1
+    attempt = ["suspending", "failed"]
+    await saw(events, kid, attempt)
     _, k = await api("GET", "kernels", kid, spec="/kernels/{kernel_id}")
     assert k["state"] == "running"
     assert k["backoff"]["not_checkpointable"] is True and k["backoff"]["failures"] == 1
@@ -433,12 +371,12 @@ async def test_a_kernel_that_cannot_be_checkpointed_is_not_dumped_at_every_check
     for _ in range(3):
         await mgr.check()
     assert not any(key.startswith(kid) for key in mgr._tasks)
-    assert criu_gate.count("dump") == 1  # not frozen and dumped again
+    await saw(events, kid, attempt)  # not frozen and dumped again
 
     # A manual suspend still tries, and says why it failed.
     status, err = await api("POST", "kernels", kid, "suspend")
     assert status == 500 and "ghost file" in err["message"]
-    assert criu_gate.count("dump") == 2
+    await saw(events, kid, attempt * 2)
     _, k = await api("GET", "kernels", kid)
     assert k["backoff"]["failures"] == 2
 
@@ -449,7 +387,7 @@ async def test_a_kernel_that_cannot_be_checkpointed_is_not_dumped_at_every_check
     await until(due(mgr, kid), "the policy to want a suspend")
     await mgr.check()
     await until(lambda: state_is(api, kid, "suspended"), "the automatic suspend")
-    assert criu_gate.count("dump") == 3
+    await saw(events, kid, [*attempt, *attempt, "suspending", "suspended"])
     assert (await client.run("print(z)"))["stdout"] == "42\n"
 
 

@@ -127,9 +127,7 @@ def _kernel_pids(kernel_id: str) -> list[int]:
     return pids
 
 
-def _suspend_from_sidebar(page: Any, server: LabServer, kernel_id: str) -> dict[str, Any]:
-    card = _card(page, kernel_id)
-    button = card.locator("button.jp-cedana-suspend")
+def _wait_suspend_enabled(page: Any, kernel_id: str) -> None:
     # The panel polls; the button is enabled once the kernel is known as running.
     page.wait_for_function(
         """id => {
@@ -140,6 +138,12 @@ def _suspend_from_sidebar(page: Any, server: LabServer, kernel_id: str) -> dict[
         arg=kernel_id,
         timeout=30_000,
     )
+
+
+def _suspend_from_sidebar(page: Any, server: LabServer, kernel_id: str) -> dict[str, Any]:
+    card = _card(page, kernel_id)
+    button = card.locator("button.jp-cedana-suspend")
+    _wait_suspend_enabled(page, kernel_id)
     button.click()
     card.locator('.jp-cedana-badge[data-state="suspended"]').wait_for(timeout=SUSPEND_TIMEOUT_MS)
     return _kernel(server, kernel_id)
@@ -314,15 +318,7 @@ def test_a_kernel_that_cannot_be_checkpointed_says_why(
         _open_panel(page)
         card = _card(page, kernel_id)
         button = card.locator("button.jp-cedana-suspend")
-        page.wait_for_function(
-            """id => {
-                const b = document.querySelector(
-                  `.jp-cedana-kernel[data-kernel-id="${id}"] button.jp-cedana-suspend`);
-                return b && !b.disabled;
-            }""",
-            arg=kernel_id,
-            timeout=30_000,
-        )
+        _wait_suspend_enabled(page, kernel_id)
         button.click()
         note = card.locator(".jp-cedana-backoff.jp-cedana-not-checkpointable")
         note.wait_for(timeout=SUSPEND_TIMEOUT_MS)
@@ -330,15 +326,7 @@ def test_a_kernel_that_cannot_be_checkpointed_says_why(
         assert text.startswith("Not checkpointable"), text
         assert "socket connected to a process outside the kernel" in text
         assert card.locator(".jp-cedana-badge").get_attribute("data-state") == "running"
-        page.wait_for_function(
-            """id => {
-                const b = document.querySelector(
-                  `.jp-cedana-kernel[data-kernel-id="${id}"] button.jp-cedana-suspend`);
-                return b && !b.disabled;
-            }""",
-            arg=kernel_id,
-            timeout=30_000,
-        )
+        _wait_suspend_enabled(page, kernel_id)
         assert "Suspend tries anyway" in (button.get_attribute("title") or "")
         card.screenshot(path=str(ARTIFACTS / "panel-not-checkpointable.png"))
         assert _kernel(lab_server, kernel_id)["backoff"]["not_checkpointable"] is True
