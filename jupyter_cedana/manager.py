@@ -79,6 +79,7 @@ class SuspendManager(LoggingConfigurable):
         self._last_tick = time.monotonic()
         self.events = KernelEvents(self.log, lambda: self.event_logger)
         self._image_owners: list[Callable[[], Iterable[str]]] = []
+        self._suspend_guards: list[Any] = []
         self.queue = TransitionQueue(self.limits)
         self.budget = Budget(
             store=lambda: self.engine.store,
@@ -105,6 +106,18 @@ class SuspendManager(LoggingConfigurable):
         for owner in self._image_owners:
             owned.update(owner())
         return owned
+
+    def add_suspend_guard(self, guard: Any) -> None:
+        """guard(kernel_id) -> True while the policy must not suspend that kernel (the
+        message gate: messages held, being delivered, or a client connecting)."""
+        self._suspend_guards.append(guard)
+
+    def _guarded(self, kernel_id: str) -> bool:
+        return any(guard(kernel_id) for guard in self._suspend_guards)
+
+    def transition_pending(self, kernel_id: str) -> bool:
+        """Whether a suspend or resume of the kernel is started and not finished."""
+        return any(k.startswith(f"{kernel_id}:") for k in self._tasks)
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -350,6 +363,7 @@ class SuspendManager(LoggingConfigurable):
         decision = self.policy.decide(self._facts(kernel_id, kernel))
         return (
             decision.action == tier
+            and not self._guarded(kernel_id)
             and self.backoff.blocking(kernel_id, self._last_activity(kernel_id)) is None
         )
 
@@ -459,6 +473,8 @@ class SuspendManager(LoggingConfigurable):
                 metrics.GPU_SECONDS_RECLAIMED.inc(self._gpus_before_suspend.get(kid, 0) * elapsed)
             decision = self.policy.decide(self._facts(kid, kernel))
             if decision.action is None or any(k.startswith(kid) for k in self._tasks):
+                continue
+            if decision.action != "shutdown" and self._guarded(kid):
                 continue
             if decision.action == "shutdown":
                 self.log.info("Policy: shut down kernel %s (%s)", kid, decision.reason)

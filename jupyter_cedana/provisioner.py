@@ -273,7 +273,9 @@ class CedanaProvisioner(Checkpointing, TransitionMachine, LocalProvisioner):  # 
                 s.bind((ip, port))
                 # Listening (not just bound) is what makes Linux refuse other binds, even
                 # SO_REUSEADDR ones; queued client connections are reset when it closes.
-                s.listen(1)
+                # A full queue would drop clients' SYNs instead, and TCP's retransmission
+                # backoff would keep them away from the restored kernel for up to a minute.
+                s.listen(socket.SOMAXCONN)
             except OSError as e:
                 s.close()
                 self.log.warning(
