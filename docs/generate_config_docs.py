@@ -20,9 +20,11 @@ from traitlets.config import Configurable
 
 import jupyter_cedana
 from jupyter_cedana.app import CedanaApp
+from jupyter_cedana.backoff import SuspendBackoff
 from jupyter_cedana.cuda import CudaCheckpointer
 from jupyter_cedana.engine import CheckpointEngine
 from jupyter_cedana.gpu import GpuMonitor
+from jupyter_cedana.limits import SuspendLimits
 from jupyter_cedana.parking import KernelParking
 from jupyter_cedana.pids import KernelPids
 from jupyter_cedana.policy import SuspendPolicy
@@ -34,6 +36,8 @@ OUTPUT = DOCS / "config.md"
 CLASSES: list[type[Configurable]] = [
     CedanaApp,
     SuspendPolicy,
+    SuspendLimits,
+    SuspendBackoff,
     KernelParking,
     CheckpointEngine,
     KernelPids,

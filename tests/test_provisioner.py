@@ -14,11 +14,15 @@ from pathlib import Path
 import pytest
 from jupyter_client.manager import _ShutdownStatus
 
+from jupyter_cedana.checkpoint import ROOT_MARKER
 from jupyter_cedana.errors import CheckpointCorrupt, Conflict, ResumeFailed, SuspendFailed
 from jupyter_cedana.provisioner import KernelState
 from tests.conftest import kernel_pids, run, wait_iopub
 
 pytestmark = pytest.mark.criu
+
+# What a checkpoint root holds besides images: kernel logs and the store's marker.
+BOOKKEEPING = (".logs", ROOT_MARKER)
 
 STATE_SETUP = r"""
 import os, sys, threading, time, json
@@ -203,7 +207,7 @@ async def test_shutdown_of_suspended_kernel_leaves_nothing(kernel, checkpoint_ro
     # Done at the shutdown request: no SIGTERM/SIGKILL grace period spent on it.
     assert kernel._shutdown_status == _ShutdownStatus.ShutdownRequest
     assert not (checkpoint_root / kernel.kernel_id).exists()
-    assert [p.name for p in checkpoint_root.iterdir() if not p.name.startswith(".logs")] == []
+    assert [p.name for p in checkpoint_root.iterdir() if p.name not in BOOKKEEPING] == []
     assert not list((checkpoint_root / ".logs").iterdir())
     with socket.socket() as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -259,7 +263,7 @@ async def test_failed_dump_leaves_kernel_running(kernel, checkpoint_root: Path) 
     for pid in pids:  # continued, not left stopped
         with open(f"/proc/{pid}/stat") as f:
             assert f.read().rsplit(")", 1)[1].split()[0] != "T"
-    assert [p for p in checkpoint_root.iterdir() if p.name != ".logs"] == []
+    assert [p for p in checkpoint_root.iterdir() if p.name not in BOOKKEEPING] == []
     reply, out = await run(kc, "print(y * 6)")
     assert out.strip() == "42"
 
@@ -307,7 +311,7 @@ async def test_disk_full_leaves_kernel_running(kernel, tiny_root: Path) -> None:
         await kernel.provisioner.suspend()
     assert "space" in info.value.message.lower() or "write" in info.value.message.lower()
     assert kernel.provisioner.state == KernelState.running
-    assert [p.name for p in tiny_root.iterdir() if p.name != ".logs"] == []
+    assert [p.name for p in tiny_root.iterdir() if p.name not in BOOKKEEPING] == []
     reply, out = await run(kc, "print(z + int(big.sum()))")
     assert out.strip() == str(5_000_005)
 
@@ -324,7 +328,7 @@ async def test_kernel_exiting_mid_dump(kernel, checkpoint_root: Path, criu_hold)
     with pytest.raises(SuspendFailed):
         await task
     assert prov.state == KernelState.running
-    assert [p for p in checkpoint_root.iterdir() if p.name != ".logs"] == []
+    assert [p for p in checkpoint_root.iterdir() if p.name not in BOOKKEEPING] == []
     assert await prov.poll() is not None  # dead, reported as such: the restarter may act
 
 
