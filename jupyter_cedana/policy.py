@@ -105,7 +105,9 @@ class SuspendPolicy(LoggingConfigurable):
     retention = Float(
         0.0,
         help="Seconds a suspended kernel is kept; after that it is shut down and its image "
-        "deleted. 0 keeps it until the server stops or a user shuts it down.",
+        "deleted. Parked kernels (KernelParking) count from their suspend too: past it they "
+        "are not adopted and their image is removed. 0 keeps them until a user shuts them "
+        "down.",
     ).tag(config=True)
 
     def idle_timeout_for(self, facts: KernelFacts) -> float:
