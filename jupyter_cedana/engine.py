@@ -23,8 +23,9 @@ from jupyter_core.paths import jupyter_data_dir
 from traitlets import Bool, Float, Integer, List, Unicode, default
 from traitlets.config import SingletonConfigurable
 
-from .checkpoint import CheckpointStore, FollowingHasher
+from .checkpoint import CheckpointStore
 from .errors import EngineUnavailable, ResumeFailed, SuspendFailed
+from .integrity import FollowingHasher
 
 MIN_CRIU = (4, 2)
 _PACKAGE_BIN = Path(__file__).parent / "bin"
@@ -287,13 +288,13 @@ class CheckpointEngine(SingletonConfigurable):
 
     async def dump(
         self, pid: int, images: Path, progress: ProgressCallback | None = None
-    ) -> tuple[float, dict[str, tuple[int, int]]]:
+    ) -> tuple[float, dict[str, tuple[int, list[int]]]]:
         """Dump the tree rooted at `pid` into `images`, leaving it stopped (not killed).
 
         The caller kills the tree once the image is committed, or continues it (SIGCONT)
         if anything after the dump fails: the kernel then runs on exactly as before.
-        Returns the seconds CRIU took and the (size, crc) of the page files, hashed while
-        CRIU wrote them.
+        Returns the seconds CRIU took and the (size, chunk CRCs) of the page files, hashed
+        while CRIU wrote them.
         """
         info = self.require()
         expected = tree_rss(pid)
