@@ -17,6 +17,7 @@ import time
 from collections.abc import Awaitable
 from typing import Any
 
+from . import lazy
 from .engine import CheckpointEngine, kill_restore
 from .errors import (
     CedanaError,
@@ -27,6 +28,7 @@ from .errors import (
     ResumeFailed,
     SuspendFailed,
 )
+from .integrity import is_page_file
 from .proctree import process_tree
 from .transitions import KernelState, TransitionMachine
 
@@ -45,6 +47,7 @@ class Checkpointing(TransitionMachine):
     gpu_memory_freed: int = 0
     _gpu_state: dict[str, Any] | None = None
     _chores: set[asyncio.Future[Any]]
+    _loading: asyncio.Future[None] | None = None  # a lazy restore's pages coming in
 
     @property
     def engine(self) -> CheckpointEngine:
@@ -78,6 +81,7 @@ class Checkpointing(TransitionMachine):
         return await self._once("resume", self._resume)
 
     async def _suspend(self, tier: str) -> dict[str, Any]:
+        await self.memory_loaded()
         if self.state == KernelState.suspended and (self.tier == tier or tier == "offload"):
             raise Conflict(f"Kernel {self.kernel_id} is already suspended ({self.tier})")
         if self.state == KernelState.failed:
@@ -268,14 +272,17 @@ class Checkpointing(TransitionMachine):
             self._fail_resume(kid, previous, e)
             raise self._as_resume_error(kid, e) from e
         # CRIU restores (leaving the tree stopped) while the checksums are verified: both
-        # read the same pages, so a cold image is read from disk once, not twice.
+        # read the same pages, so a cold image is read from disk once, not twice. A lazy
+        # restore checks what CRIU reads before it starts; the pages, as they are served.
         loop = asyncio.get_running_loop()
         self._set_progress("restore", 0, int(manifest["total_bytes"]) or None)
 
         def verified(done: int, total: int) -> None:
             loop.call_soon_threadsafe(self._set_progress, "restore", done, total)
 
-        verify = asyncio.ensure_future(asyncio.to_thread(store.verify, kid, verified))
+        verify: asyncio.Future[Any] = loop.create_future()
+        verify.set_result(None)
+        pages: lazy.PageServer | None = None
         proc: subprocess.Popen[bytes] | None = None
         pid: int | None = None
         try:
@@ -283,8 +290,18 @@ class Checkpointing(TransitionMachine):
             work = store.work_dir(kid)
             pidfile = work / "restored.pid"
             pidfile.unlink(missing_ok=True)
+            if self._restores_lazily(manifest, gpu_state):
+                plan = await asyncio.to_thread(
+                    lazy.check_before_restore, store, kid, manifest, work
+                )
+                pages = lazy.PageServer(
+                    engine.pages_binary(), images, work, pidfile, plan, self.log
+                )
+                await pages.start(verified)
+            else:
+                verify = asyncio.ensure_future(asyncio.to_thread(store.verify, kid, verified))
             self._release_ports()
-            proc = engine.start_restore(images, work, pidfile)
+            proc = engine.start_restore(images, work, pidfile, lazy=pages is not None)
             restored = asyncio.ensure_future(engine.wait_restored(proc, work, pidfile))
             # A checksum mismatch stops the restore at once, whatever CRIU is doing.
             await asyncio.wait({restored, verify}, return_when=asyncio.FIRST_EXCEPTION)
@@ -310,6 +327,8 @@ class Checkpointing(TransitionMachine):
             if proc is not None:
                 await asyncio.to_thread(kill_restore, proc)
             await _gone(restored_pids)
+            if pages is not None:
+                await pages.stop()
             with contextlib.suppress(BaseException):
                 await verify
             damaged = None if verify.cancelled() else verify.exception()
@@ -323,17 +342,76 @@ class Checkpointing(TransitionMachine):
         self.pid = pid
         self._gpu_state = None
         self.last_resume_seconds = time.monotonic() - t0
-        if not engine.keep_image_after_resume:
-            # The kernel runs already; gigabytes of deletion need not delay its first output.
-            doomed = store.detach_image(kid)
-            if doomed is not None:
-                self._background(asyncio.to_thread(shutil.rmtree, doomed, True))
-            self.checkpoint_bytes = 0
+        if pages is not None:
+            # The image stays until every page is in.
+            self._loading = asyncio.ensure_future(self._load_memory(pages, proc, pid))
+        elif not engine.keep_image_after_resume:
+            self._discard_image_later()
         self.tier = None
         self.suspended_at = None
         self._set_state(KernelState.running)
         self.log.info("Resumed kernel %s in %.2f s (pid %s)", kid, self.last_resume_seconds, pid)
         return self.summary()
+
+    def _restores_lazily(self, manifest: dict[str, Any], gpu_state: Any) -> bool:
+        # GPU checkpoints: the CUDA restore reads the process's memory right away, and
+        # has not been checked against pages served by userfaultfd.
+        page_files = [m for n, m in manifest["files"].items() if is_page_file(n)]
+        chunked = bool(page_files) and all("chunks" in m for m in page_files)
+        return chunked and not gpu_state and self.engine.lazy_unsupported() is None
+
+    def _discard_image_later(self) -> None:
+        # The kernel runs already; gigabytes of deletion need not delay its first output.
+        doomed = self.engine.store.detach_image(self.kernel_id_str)
+        if doomed is not None:
+            self._background(asyncio.to_thread(shutil.rmtree, doomed, True))
+        self.checkpoint_bytes = 0
+
+    async def _load_memory(
+        self, pages: lazy.PageServer, proc: subprocess.Popen[bytes], pid: int
+    ) -> None:
+        """Wait for a lazily restored kernel's memory to be in; then the image goes. If
+        it cannot all come in, the kernel is killed (it must not run on with wrong or
+        missing memory) and goes to `failed`, keeping its image."""
+        kid = self.kernel_id_str
+        try:
+            seconds = await asyncio.shield(pages.done)
+        except lazy.KernelExited:
+            await pages.stop()  # shut down or crashed meanwhile: nothing to load into
+            return
+        except BaseException as e:
+            restored = process_tree(pid)
+            self._kill_tree(pid)
+            await _gone(restored)
+            await pages.stop()
+            with contextlib.suppress(Exception):
+                await asyncio.to_thread(proc.wait, 10)
+            if self.process is proc:
+                self.process = None
+            self._reserve_ports()
+            reason = getattr(e, "message", None) or str(e) or type(e).__name__
+            self.log.error("Kernel %s killed, its image kept: %s", kid, reason)
+            if self.state == KernelState.running:
+                self._set_state(KernelState.failed, reason=reason)
+            return
+        finally:
+            self._loading = None
+        await pages.stop()
+        self.log.info(
+            "Kernel %s: all %.1f MB of its memory in, %.2f s after the page server started",
+            kid,
+            pages.bytes_done / 1e6,
+            seconds,
+        )
+        if not self.engine.keep_image_after_resume:
+            self._discard_image_later()
+
+    async def memory_loaded(self) -> None:
+        """Returns once a lazily restored kernel's memory is all in (at once otherwise).
+        A suspend waits for it: the image being loaded goes away then, and a new dump
+        must not go with it."""
+        if self._loading is not None:
+            await asyncio.shield(self._loading)
 
     def _background(self, work: Awaitable[Any]) -> None:
         task = asyncio.ensure_future(work)

@@ -126,6 +126,21 @@ class CheckpointEngine(SingletonConfigurable):
         "kernels not under cedana (it cannot here: a restored kernel has a new parent).",
     ).tag(config=True)
 
+    lazy_restore = Bool(
+        True,
+        help="Resume a kernel before its memory is read: it runs as soon as CRIU has "
+        "restored its processes, and its memory pages are loaded on demand and in the "
+        "background (userfaultfd), each chunk checked against its checksum before the "
+        "kernel sees it. Used where `criu check --feature uffd-noncoop` says it works; "
+        "images without chunk checksums (format 1) and GPU checkpoints are restored whole.",
+    ).tag(config=True)
+
+    pages_path = Unicode(
+        "",
+        help="Path of cedana-pages, the page server of lazy restores. Empty: the copy "
+        "shipped in the package.",
+    ).tag(config=True)
+
     keep_image_after_resume = Bool(
         False,
         help="Keep a kernel's checkpoint image on disk after a successful resume (it is "
@@ -167,6 +182,8 @@ class CheckpointEngine(SingletonConfigurable):
     ).tag(config=True)
 
     _info: EngineInfo | None = None
+    _lazy_reason: str | None = None
+    _lazy_probed = False
     _store: CheckpointStore | None = None
     _monitor: Any = None
     _cuda: Any = None
@@ -224,6 +241,25 @@ class CheckpointEngine(SingletonConfigurable):
                 f"cedana-init not found at {path}: reinstall jupyter-cedana (it builds native/)"
             )
         return path
+
+    def pages_binary(self) -> str:
+        return self.pages_path or str(_PACKAGE_BIN / "cedana-pages")
+
+    def lazy_unsupported(self) -> str | None:
+        """Why a lazy restore cannot be used here (None: it can); probed once."""
+        if not self.lazy_restore:
+            return "CheckpointEngine.lazy_restore is off"
+        if not self._lazy_probed:
+            from .lazy import unsupported_reason
+
+            info = self.require()
+            self._lazy_reason = unsupported_reason(
+                info.criu_path or "criu", os.geteuid() != 0, self.pages_binary()
+            )
+            self._lazy_probed = True
+            if self._lazy_reason:
+                self.log.warning("Restoring kernels whole: %s", self._lazy_reason)
+        return self._lazy_reason
 
     @property
     def pidns(self) -> bool:
@@ -357,11 +393,14 @@ class CheckpointEngine(SingletonConfigurable):
             )
         return time.monotonic() - t0, sums
 
-    def start_restore(self, images: Path, work: Path, pidfile: Path) -> subprocess.Popen[bytes]:
+    def start_restore(
+        self, images: Path, work: Path, pidfile: Path, lazy: bool = False
+    ) -> subprocess.Popen[bytes]:
         """Start `criu restore` in the foreground: it stays as the restored tree's parent
         (reaping it, so the kernel never lingers as a zombie) and exits when the tree does.
         The tree is left stopped: the caller continues it (SIGCONT) once the image's
-        checksums, verified meanwhile, are known to be right."""
+        checksums, verified meanwhile, are known to be right. `lazy`: the memory pages
+        come from a page server listening in `work` (lazy.PageServer)."""
         info = self.require()
         keeper = [self.init_binary(), "--keeper", str(pidfile)]
         if self.kernels_die_with_server:
@@ -383,6 +422,7 @@ class CheckpointEngine(SingletonConfigurable):
             "--pidfile",
             str(pidfile),
             "--leave-stopped",
+            *(["--lazy-pages"] if lazy else []),
             *self.extra_restore_args,
         ]
         self.log.debug("running %s", " ".join(cmd))

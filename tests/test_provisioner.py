@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from jupyter_cedana import crimg
 from jupyter_cedana.errors import CheckpointCorrupt, Conflict, ResumeFailed, SuspendFailed
 from jupyter_cedana.provisioner import KernelState
 from tests.conftest import kernel_pids, run, wait_iopub
@@ -87,6 +88,7 @@ async def test_suspend_resume_keeps_state(kernel, checkpoint_root: Path) -> None
 
     await prov.resume()
     assert prov.state == KernelState.running
+    await prov.memory_loaded()  # a lazy restore loads it while the kernel runs
     assert not image.exists()  # deleted after a successful resume by default
     assert prov.pid not in pids_before  # a new host PID, in a new PID namespace
     await wait_iopub(kc)
@@ -343,17 +345,36 @@ async def test_failed_restore_keeps_image_and_retry_works(
     assert out.strip() == "a,b 1,2"
 
 
+def restored_by_criu(image: Path) -> tuple[Path, int]:
+    """A page file and an offset in it that CRIU restores itself (not lazily): a stack."""
+    for pid in crimg.pids(image):
+        for r in crimg.pagemap(image, pid):
+            if r.present and not r.lazy:
+                return image / r.pages_file, r.offset + r.pages * crimg.PAGE_SIZE // 2
+    raise AssertionError("every page is restored lazily")
+
+
+@pytest.mark.parametrize("lazy", [False, True], ids=["whole", "lazy"])
 @pytest.mark.parametrize("damage", ["flip", "truncate", "missing"])
-async def test_corrupt_image_is_detected(kernel, checkpoint_root: Path, damage: str) -> None:
+async def test_corrupt_image_is_detected(
+    kernel, checkpoint_root: Path, damage: str, lazy: bool
+) -> None:
+    """Refused before the kernel runs. A lazy restore checks what CRIU reads itself
+    first; its lazily loaded pages are checked as served (tests/test_lazy.py)."""
     prov = kernel.provisioner
+    prov.engine.lazy_restore = lazy
     await run(kernel.test_client, "w = 99")
     await prov.suspend()
     image = checkpoint_root / kernel.kernel_id
     pages = max(image.glob("pages-*.img"), key=lambda p: p.stat().st_size)
+    if damage == "flip" and lazy:
+        pages, offset = restored_by_criu(image)
+    else:
+        offset = pages.stat().st_size // 2
     original = pages.read_bytes()
     if damage == "flip":
         buf = bytearray(original)
-        buf[len(buf) // 2] ^= 0xFF
+        buf[offset] ^= 0xFF
         pages.write_bytes(bytes(buf))
     elif damage == "truncate":
         pages.write_bytes(original[: len(original) // 2])
