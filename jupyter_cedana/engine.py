@@ -396,11 +396,12 @@ class CheckpointEngine(SingletonConfigurable):
     def start_restore(
         self, images: Path, work: Path, pidfile: Path, lazy: bool = False
     ) -> subprocess.Popen[bytes]:
-        """Start `criu restore` in the foreground: it stays as the restored tree's parent
-        (reaping it, so the kernel never lingers as a zombie) and exits when the tree does.
-        The tree is left stopped: the caller continues it (SIGCONT) once the image's
-        checksums, verified meanwhile, are known to be right. `lazy`: the memory pages
-        come from a page server listening in `work` (lazy.PageServer)."""
+        """Start `criu restore -d` under cedana-init's keeper, a child subreaper that
+        becomes the restored tree's parent once CRIU exits (reaping it, so the kernel never
+        lingers as a zombie) and exits when the tree does: the returned process stands
+        for the kernel. The tree is left stopped: the caller continues it (SIGCONT) once
+        the image's checksums, verified meanwhile, are known to be right. `lazy`: the
+        memory pages come from a page server listening in `work` (lazy.PageServer)."""
         info = self.require()
         keeper = [self.init_binary(), "--keeper", str(pidfile)]
         if self.kernels_die_with_server:
@@ -410,6 +411,7 @@ class CheckpointEngine(SingletonConfigurable):
             "--",
             *self._base_args(info),
             "restore",
+            "-d",
             "-D",
             str(images),
             "-W",

@@ -15,9 +15,11 @@
  * it could watch its parent. Only the watcher holds the parent-death signal; the init is
  * what CRIU dumps, and a parent-death signal there would fire right after a restore.
  *
- * --keeper PIDFILE: the same watch for a restored kernel: runs CMD (criu restore, which
- * stays the restored tree's parent and writes PIDFILE) and, should its own parent die,
- * terminates the process named in PIDFILE.
+ * --keeper PIDFILE: the same watch for a restored kernel: runs CMD (`criu restore -d`,
+ * which writes PIDFILE and exits once the tree is restored) as a child subreaper, so that
+ * the restored tree's root becomes its child: it reaps it and exits with its status (a
+ * keeper of a few hundred KB instead of a criu process staying for the kernel's life).
+ * Should its own parent die, it terminates the process named in PIDFILE.
  *
  * As PID 1 (or as the plain init without --pidns) it starts a session (a session leader
  * outside the namespace breaks the dump), runs CMD in its own process group, forwards
@@ -239,6 +241,8 @@ int main(int argc, char **argv)
 		watch_parent(&w);
 
 	if (keeper) {
+		if (prctl(PR_SET_CHILD_SUBREAPER, 1) < 0)
+			die("prctl(PR_SET_CHILD_SUBREAPER)");
 		pid_t child = fork();
 		if (child < 0)
 			die("fork");
@@ -248,7 +252,11 @@ int main(int argc, char **argv)
 			execvp(cmd[0], cmd);
 			die(cmd[0]);
 		}
-		return supervise(child, child, &set, &w);
+		int rc = supervise(child, child, &set, &w);
+		pid_t root = read_pidfile(keeper);
+		if (rc != 0 || root <= 0)
+			return rc ? rc : 1;
+		return supervise(root, root, &set, &w);
 	}
 	if (pidns && unshare(CLONE_NEWPID) < 0)
 		die("unshare(CLONE_NEWPID)");

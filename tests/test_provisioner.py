@@ -16,6 +16,7 @@ import pytest
 
 from jupyter_cedana import crimg
 from jupyter_cedana.errors import CheckpointCorrupt, Conflict, ResumeFailed, SuspendFailed
+from jupyter_cedana.proctree import process_tree
 from jupyter_cedana.provisioner import KernelState
 from tests.conftest import kernel_pids, run, wait_iopub
 
@@ -424,3 +425,25 @@ async def test_transitions_refused_in_wrong_state(kernel) -> None:
     await kernel.shutdown_kernel(now=True)
     with pytest.raises(Conflict, match="not running"):
         await prov.suspend()
+
+
+async def test_a_restored_kernel_costs_a_small_keeper_and_no_criu(kernel) -> None:
+    """After a restore only cedana-init's keeper stands between the server and the kernel
+    (CRIU detached: it exits once the tree is restored), well under 5 MB."""
+    prov = kernel.provisioner
+    await prov.suspend()
+    await prov.resume()
+    await prov.memory_loaded()
+    keeper = prov.process.pid
+    extra = process_tree(keeper) - process_tree(prov.pid)
+    assert extra == {keeper}
+    assert Path(f"/proc/{keeper}/comm").read_text().strip() == "cedana-init"
+    pss_kb = next(
+        int(line.split()[1])
+        for line in Path(f"/proc/{keeper}/smaps_rollup").read_text().splitlines()
+        if line.startswith("Pss:")
+    )
+    assert pss_kb < 5 * 1024
+    await wait_iopub(kernel.test_client)
+    _, out = await run(kernel.test_client, "print(6 * 7)")
+    assert out.strip() == "42"
