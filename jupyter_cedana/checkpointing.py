@@ -18,6 +18,7 @@ from collections.abc import Awaitable
 from typing import Any
 
 from . import lazy
+from .crimg import dump_breakdown
 from .engine import CheckpointEngine, kill_restore
 from .errors import (
     CedanaError,
@@ -158,7 +159,7 @@ class Checkpointing(TransitionMachine):
         tmp = store.begin(kid)
         stopped = False
         try:
-            dump_s, sums = await engine.dump(self.pid or 0, tmp, progress=self._set_progress)
+            dumped = await engine.dump(self.pid or 0, tmp, progress=self._set_progress)
             stopped = True
             self._set_progress("verify", None, None)
             manifest = await asyncio.to_thread(
@@ -171,9 +172,10 @@ class Checkpointing(TransitionMachine):
                     "pidns": engine.pidns,
                     "ports": self._ports(),
                     "gpu": gpu_state,
-                    "timings": {"dump_s": dump_s},
+                    "timings": {"dump_s": dumped.seconds, **dump_breakdown(tmp)},
+                    "zero_bytes": dumped.zero_bytes,
                 },
-                sums,
+                dumped.sums,
             )
         except BaseException as e:
             store.discard(tmp)

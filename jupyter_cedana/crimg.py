@@ -187,3 +187,11 @@ def dump_stats(images: Path) -> dict[str, int]:
         return {}
     fields = decode(dump[0])
     return {name: _int(fields, number) for number, name in DUMP_STATS.items() if number in fields}
+
+
+def dump_breakdown(images: Path) -> dict[str, float]:
+    """Where CRIU's dump time went, in seconds: freezing the tree, the tree frozen (until
+    CRIU let go of it), dumping memory (parasite and transfer), writing the pages."""
+    stats = dump_stats(images)
+    names = ("freezing_time", "frozen_time", "memdump_time", "memwrite_time")
+    return {f"criu_{n[:-5]}_s": stats[n] / 1e6 for n in names if n in stats}

@@ -34,6 +34,13 @@ ProgressCallback = Callable[[str, int | None, int | None], None]
 
 
 @dataclass
+class DumpResult:
+    seconds: float  # CRIU's run
+    sums: dict[str, tuple[int, list[int]]]  # page file -> (size, chunk CRCs), hashed meanwhile
+    zero_bytes: int  # all-zero chunks of the page files made holes
+
+
+@dataclass
 class EngineInfo:
     available: bool
     reason: str | None
@@ -324,13 +331,13 @@ class CheckpointEngine(SingletonConfigurable):
 
     async def dump(
         self, pid: int, images: Path, progress: ProgressCallback | None = None
-    ) -> tuple[float, dict[str, tuple[int, list[int]]]]:
+    ) -> DumpResult:
         """Dump the tree rooted at `pid` into `images`, leaving it stopped (not killed).
 
         The caller kills the tree once the image is committed, or continues it (SIGCONT)
         if anything after the dump fails: the kernel then runs on exactly as before.
         Returns the seconds CRIU took and the (size, chunk CRCs) of the page files, hashed
-        while CRIU wrote them.
+        while CRIU wrote them (with their zero chunks made holes).
         """
         info = self.require()
         expected = tree_rss(pid)
@@ -391,7 +398,7 @@ class CheckpointEngine(SingletonConfigurable):
             raise SuspendFailed(
                 f"CRIU dump failed (exit {proc.returncode}): {why or stderr.strip()}"
             )
-        return time.monotonic() - t0, sums
+        return DumpResult(time.monotonic() - t0, sums, hasher.zero_bytes)
 
     def start_restore(
         self, images: Path, work: Path, pidfile: Path, lazy: bool = False

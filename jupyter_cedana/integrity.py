@@ -51,11 +51,14 @@ def file_crc32(path: Path, on_bytes: ByteCounter | None = None) -> int:
 
 
 class ChunkHasher:
-    """CRC-32 of every `chunk_size` bytes of a stream fed in pieces of any size."""
+    """CRC-32 of every `chunk_size` bytes of a stream fed in pieces of any size; notes the
+    chunks that may be all zeros (their CRC is that of zeros)."""
 
     def __init__(self, chunk_size: int = CHUNK_SIZE):
         self.chunk_size = chunk_size
         self.size = 0
+        self.maybe_zero: list[int] = []
+        self._zero_crc = zlib.crc32(bytes(chunk_size))
         self._crcs: list[int] = []
         self._crc = 0
         self._fill = 0
@@ -68,6 +71,8 @@ class ChunkHasher:
             self.size += take
             data = data[take:]
             if self._fill == self.chunk_size:
+                if self._crc == self._zero_crc:
+                    self.maybe_zero.append(len(self._crcs))
                 self._crcs.append(self._crc)
                 self._crc, self._fill = 0, 0
 
@@ -134,6 +139,27 @@ _sync_file_range = getattr(_libc, "sync_file_range", None)
 if _sync_file_range is not None:
     _sync_file_range.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
 _SYNC_FILE_RANGE_WRITE = 2
+_fallocate = getattr(_libc, "fallocate", None)
+if _fallocate is not None:
+    _fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+_PUNCH_HOLE = 0x01 | 0x02  # FALLOC_FL_KEEP_SIZE | FALLOC_FL_PUNCH_HOLE
+
+
+def punch_zeros(fd: int, hasher: ChunkHasher, checked: int) -> tuple[int, int]:
+    """Turn the all-zero chunks noted since index `checked` into holes, before they are
+    written back: zero pages cost no disk writes and no disk reads then (they read back
+    as zeros, same CRC). Returns (chunks looked at, bytes punched)."""
+    punched = 0
+    todo = [i for i in hasher.maybe_zero if i >= checked]
+    size = hasher.chunk_size
+    zeros = bytes(size)
+    for i in todo:
+        if _fallocate is None or os.pread(fd, size, i * size) != zeros:
+            continue
+        if _fallocate(fd, _PUNCH_HOLE, i * size, size) != 0:
+            break  # a file system without holes: keep the zeros
+        punched += size
+    return (todo[-1] + 1 if todo else checked), punched
 
 
 def start_writeback(fd: int, offset: int, length: int) -> None:
@@ -144,8 +170,10 @@ def start_writeback(fd: int, offset: int, length: int) -> None:
 
 class FollowingHasher:
     """Chunk CRC tables of CRIU's page files while CRIU is still writing them (they only
-    grow), so that committing an image does not read gigabytes a second time; and their
-    writeback started as they grow, so that the final fsync waits for little."""
+    grow), so that committing an image does not read gigabytes a second time; their
+    writeback started as they grow, so that the final fsync waits for little; and their
+    all-zero chunks made holes before they are written (CRIU skips pages never touched,
+    not pages written with zeros)."""
 
     def __init__(self, directory: Path, chunk_size: int = CHUNK_SIZE):
         self._dir = directory
@@ -153,6 +181,7 @@ class FollowingHasher:
         self._done = threading.Event()
         self._hashers: dict[str, ChunkHasher] = {}
         self._failed = False
+        self.zero_bytes = 0  # all-zero chunks turned into holes
         self._thread = threading.Thread(target=self._run, name="cedana-crc", daemon=True)
 
     def start(self) -> FollowingHasher:
@@ -171,6 +200,7 @@ class FollowingHasher:
     def _run(self) -> None:
         handles: dict[str, Any] = {}
         synced: dict[str, int] = {}
+        zero_checked: dict[str, int] = {}
         buf = bytearray(_READ)
         view = memoryview(buf)
         try:
@@ -180,7 +210,7 @@ class FollowingHasher:
                 for path in sorted(self._dir.glob(PAGES_PATTERN)):
                     f = handles.get(path.name)
                     if f is None:
-                        f = handles[path.name] = open(path, "rb", buffering=0)  # noqa: SIM115
+                        f = handles[path.name] = open(path, "r+b", buffering=0)  # noqa: SIM115
                         self._hashers[path.name] = ChunkHasher(self._chunk_size)
                     hasher = self._hashers[path.name]
                     while n := f.readinto(buf):
@@ -188,8 +218,16 @@ class FollowingHasher:
                         progressed = True
                         done = synced.get(path.name, 0)
                         if hasher.size - done >= _WRITEBACK_STEP:
+                            checked, punched = punch_zeros(
+                                f.fileno(), hasher, zero_checked.get(path.name, 0)
+                            )
+                            zero_checked[path.name] = checked
+                            self.zero_bytes += punched
                             start_writeback(f.fileno(), done, hasher.size - done)
                             synced[path.name] = hasher.size
+                    if last_pass:
+                        _, punched = punch_zeros(f.fileno(), hasher, zero_checked.get(path.name, 0))
+                        self.zero_bytes += punched
                 if last_pass:
                     return
                 if not progressed:

@@ -186,3 +186,22 @@ def test_commit_returns_only_once_the_image_is_durable(
     manifest = store.read_manifest("k4")
     store.write_manifest("k4", {**manifest, "note": 1})
     assert ("fsync", final) in events and store.read_manifest("k4")["note"] == 1
+
+
+def test_zero_chunks_become_holes_and_read_back_the_same(tmp_path: Path) -> None:
+    """Pages written with zeros cost no disk blocks; they read back as zeros (same CRCs)."""
+    data = os.urandom(CHUNK_SIZE) + bytes(40 * CHUNK_SIZE) + os.urandom(3 * CHUNK_SIZE)
+    data += bytes(CHUNK_SIZE - 1) + b"\1"  # almost zero: kept
+    hasher = FollowingHasher(tmp_path).start()
+    with open(tmp_path / "pages-1.img", "wb") as f:
+        for i in range(0, len(data), 100_000):
+            f.write(data[i : i + 100_000])
+            f.flush()
+    sums = hasher.finish()
+    path = tmp_path / "pages-1.img"
+    assert path.read_bytes() == data
+    assert sums["pages-1.img"] == chunk_crcs(path)
+    assert hasher.zero_bytes == 40 * CHUNK_SIZE
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+    assert path.stat().st_blocks * 512 <= len(data) - 40 * CHUNK_SIZE + CHUNK_SIZE
