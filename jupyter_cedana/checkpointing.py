@@ -43,6 +43,9 @@ class Checkpointing(TransitionMachine):
     parent: Any
     suspended_at: float | None = None
     last_suspend_seconds: float | None = None
+    # Where the last suspend's time went (seconds), for benchmarks and logs.
+    last_suspend_breakdown: dict[str, float] | None = None
+    last_resume_breakdown: dict[str, Any] | None = None
     last_resume_seconds: float | None = None
     checkpoint_bytes: int = 0
     gpu_memory_freed: int = 0
@@ -158,6 +161,7 @@ class Checkpointing(TransitionMachine):
             self._refuse_unsaved_gpu_memory(pids)
         tmp = store.begin(kid)
         stopped = False
+        t_dump = time.monotonic()
         try:
             dumped = await engine.dump(self.pid or 0, tmp, progress=self._set_progress)
             stopped = True
@@ -189,11 +193,21 @@ class Checkpointing(TransitionMachine):
                 raise
             raise SuspendFailed(f"Suspend of kernel {kid} failed: {e}") from e
         # The image is safe on disk: only now does the kernel's memory go.
+        t_commit = time.monotonic()
         self._kill_tree(self.pid or 0)
         if self.process is not None:
             with contextlib.suppress(Exception):
                 await asyncio.to_thread(self.process.wait, 10)
             self.process = None
+        t_killed = time.monotonic()
+        self.last_suspend_breakdown = {
+            **manifest["timings"],
+            "before_dump_s": t_dump - t0,
+            "commit_s": t_commit - t_dump - dumped.seconds,
+            "kill_s": t_killed - t_commit,
+            # From CRIU's start (it freezes the tree at once) until the tree is gone.
+            "frozen_s": t_killed - t_dump,
+        }
         self._reserve_ports()
         self._gpu_state = gpu_state
         self.tier = "disk"
@@ -293,15 +307,16 @@ class Checkpointing(TransitionMachine):
             pidfile = work / "restored.pid"
             pidfile.unlink(missing_ok=True)
             if self._restores_lazily(manifest, gpu_state):
-                plan = await asyncio.to_thread(
+                lazy_plan = await asyncio.to_thread(
                     lazy.check_before_restore, store, kid, manifest, work
                 )
                 pages = lazy.PageServer(
-                    engine.pages_binary(), images, work, pidfile, plan, self.log
+                    engine.pages_binary(), images, work, pidfile, lazy_plan, self.log
                 )
                 await pages.start(verified)
             else:
                 verify = asyncio.ensure_future(asyncio.to_thread(store.verify, kid, verified))
+            t_checked = time.monotonic()
             self._release_ports()
             proc = engine.start_restore(images, work, pidfile, lazy=pages is not None)
             restored = asyncio.ensure_future(engine.wait_restored(proc, work, pidfile))
@@ -314,6 +329,7 @@ class Checkpointing(TransitionMachine):
                 await verify
             pid = await restored
             await verify
+            t_restored = time.monotonic()
             await self._continue_restored(pid)
             if gpu_state and gpu is not None:
                 self._set_progress("gpu-restore", None, None)
@@ -344,6 +360,12 @@ class Checkpointing(TransitionMachine):
         self.pid = pid
         self._gpu_state = None
         self.last_resume_seconds = time.monotonic() - t0
+        self.last_resume_breakdown = {
+            "lazy": pages is not None,
+            "check_s": t_checked - t0,  # sizes, admission, what a lazy restore checks first
+            "restore_s": t_restored - t_checked,  # CRIU (and a whole restore's checksums)
+            "continue_s": time.monotonic() - t_restored,
+        }
         if pages is not None:
             # The image stays until every page is in.
             self._loading = asyncio.ensure_future(self._load_memory(pages, proc, pid))
