@@ -138,8 +138,10 @@ class CheckpointEngine(SingletonConfigurable):
         help="Resume a kernel before its memory is read: it runs as soon as CRIU has "
         "restored its processes, and its memory pages are loaded on demand and in the "
         "background (userfaultfd), each chunk checked against its checksum before the "
-        "kernel sees it. Used where `criu check --feature uffd-noncoop` says it works; "
-        "images without chunk checksums (format 1) and GPU checkpoints are restored whole.",
+        "kernel sees it. Used where `criu check --feature uffd-noncoop` says it works (as "
+        "root; CRIU 4.2 ignores userfaultfd with --unprivileged, so non-root servers restore "
+        "whole); images without chunk checksums (format 1) and GPU checkpoints are restored "
+        "whole.",
     ).tag(config=True)
 
     pages_path = Unicode(
