@@ -148,15 +148,40 @@ def pagemap(images: Path, pid: int) -> list[PageRun]:
     runs = []
     offset = 0
     for rec in recs[1:]:
-        entry = decode(rec)
-        pages = _int(entry, 5, _int(entry, 2))
-        # Images older than the flags field say in_parent, else present.
-        legacy = PE_PARENT if _int(entry, 3) else PE_PRESENT
-        flags = _int(entry, 4) if 4 in entry else legacy
-        runs.append(PageRun(_int(entry, 1), pages, flags, offset, pages_file))
+        vaddr, pages, flags = _pagemap_entry(rec)
+        runs.append(PageRun(vaddr, pages, flags, offset, pages_file))
         if flags & PE_PRESENT:
             offset += pages * PAGE_SIZE
     return runs
+
+
+def _pagemap_entry(rec: bytes) -> tuple[int, int, int]:
+    """(vaddr, pages, flags) of a pagemap_entry: all its fields are varints, so this
+    reads them in one pass (an image of a few GB has thousands of entries)."""
+    fields = [0, 0, 0, 0, 0, 0]  # by field number; [0] unused
+    seen = 0
+    pos, end = 0, len(rec)
+    while pos < end:
+        key = rec[pos]
+        pos += 1
+        byte = rec[pos]
+        pos += 1
+        value, shift = byte & 0x7F, 7
+        while byte & 0x80:
+            byte = rec[pos]
+            pos += 1
+            value |= (byte & 0x7F) << shift
+            shift += 7
+        number = key >> 3
+        if key & 7 or not 1 <= number <= 5:
+            raise ImageError(f"unexpected field {number} in a pagemap entry")
+        fields[number] = value
+        seen |= 1 << number
+    # Images older than the flags field say in_parent, else present.
+    legacy = PE_PARENT if fields[3] else PE_PRESENT
+    flags = fields[4] if seen & (1 << 4) else legacy
+    pages = fields[5] if seen & (1 << 5) else fields[2]
+    return fields[1], pages, flags
 
 
 DUMP_STATS = {

@@ -82,10 +82,9 @@ def plan(store: CheckpointStore, kernel_id: str, manifest: dict[str, Any], work:
         raise ResumeFailed(f"Checkpoint of {kernel_id} mixes chunk sizes")
     lines = [f"cedana-pages-map 1 chunk {chunk_size}"]
     for name in page_files:
-        crcs = store.chunk_table(kernel_id, manifest, name)
-        lines.append(f"file {files[name]['size']} {len(crcs)} {name}")
-        for i in range(0, len(crcs), 16):
-            lines.append(" ".join(f"{c:08x}" for c in crcs[i : i + 16]))
+        table = files[name]["chunks"]
+        # The page server reads the table itself, checked against this CRC.
+        lines.append(f"file {files[name]['size']} {name} {table} {files[table]['crc32']:08x}")
     eager: dict[str, set[int]] = {}
     lazy_bytes = 0
     try:

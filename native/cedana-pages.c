@@ -253,7 +253,7 @@ static uint64_t bytes_done, bytes_total, last_progress;
 static struct span cursor;	     /* where the loaders claim their next block */
 static struct span claimed[LOADERS]; /* blocks being read and copied (hi == 0: none) */
 static double t_start, t_read, t_crc, t_copy; /* where the time went, for the log */
-static uint64_t n_faults;
+static uint64_t n_faults, n_fork, n_remap, n_remove, n_unmap;
 
 static double now_s(void)
 {
@@ -339,6 +339,49 @@ static uint64_t task_bytes(const struct task *t)
 	return sum;
 }
 
+static int open_in(const char *dir, const char *name)
+{
+	char full[4096];
+	snprintf(full, sizeof(full), "%s/%s", dir, name);
+	int fd = open(full, O_RDONLY | O_CLOEXEC);
+	if (fd < 0)
+		die(full);
+	return fd;
+}
+
+/* A page file's chunk table (integrity.py's format: "CDNCHNK1", u32 chunk size, u32 0,
+ * u64 file size, a u32 CRC per chunk, little-endian), itself checked against the CRC the
+ * manifest has for it. */
+static void load_table(const char *images, struct pfile *pf, const char *name, uint32_t want)
+{
+	int fd = open_in(images, name);
+	struct stat st;
+	unsigned char *data;
+	if (fstat(fd, &st) < 0)
+		die(name);
+	data = xrealloc(NULL, st.st_size);
+	if (pread(fd, data, st.st_size, 0) != st.st_size)
+		die(name);
+	close(fd);
+	uint32_t csize, pad;
+	uint64_t size;
+	if (st.st_size < 24 || memcmp(data, "CDNCHNK1", 8) != 0 || (uint32_t)zcrc32(0, data, st.st_size) != want) {
+		say("error %s is damaged (checksum or format)", name);
+		exit(1);
+	}
+	memcpy(&csize, data + 8, 4);
+	memcpy(&pad, data + 12, 4);
+	memcpy(&size, data + 16, 8);
+	pf->ncrc = (st.st_size - 24) / 4;
+	if (csize != chunk_size || size != pf->size || pf->ncrc != (size + csize - 1) / csize) {
+		say("error %s does not describe %s", name, pf->name);
+		exit(1);
+	}
+	pf->crc = xrealloc(NULL, pf->ncrc * sizeof(*pf->crc));
+	memcpy(pf->crc, data + 24, pf->ncrc * sizeof(*pf->crc));
+	free(data);
+}
+
 static void load_map(const char *images, const char *path)
 {
 	FILE *f = fopen(path, "re");
@@ -352,20 +395,16 @@ static void load_map(const char *images, const char *path)
 	while (fscanf(f, " %31s", word) == 1) {
 		if (strcmp(word, "file") == 0) {
 			struct pfile *pf;
-			char full[4096];
+			char table[256];
+			uint32_t table_crc;
 			files = xrealloc(files, (nfiles + 1) * sizeof(*files));
 			pf = &files[nfiles++];
-			if (fscanf(f, " %" SCNu64 " %" SCNu64 " %255s", &pf->size, &pf->ncrc, pf->name) != 3 ||
-			    pf->ncrc != (pf->size + chunk_size - 1) / chunk_size)
+			if (fscanf(f, " %" SCNu64 " %255s %255s %" SCNx32, &pf->size, pf->name, table,
+				   &table_crc) != 4 ||
+			    strchr(pf->name, '/') || strchr(table, '/'))
 				goto bad;
-			pf->crc = xrealloc(NULL, pf->ncrc * sizeof(*pf->crc));
-			for (uint64_t i = 0; i < pf->ncrc; i++)
-				if (fscanf(f, " %" SCNx32, &pf->crc[i]) != 1)
-					goto bad;
-			snprintf(full, sizeof(full), "%s/%s", images, pf->name);
-			pf->fd = open(full, O_RDONLY | O_CLOEXEC);
-			if (pf->fd < 0)
-				die(full);
+			load_table(images, pf, table, table_crc);
+			pf->fd = open_in(images, pf->name);
 			posix_fadvise(pf->fd, 0, 0, POSIX_FADV_SEQUENTIAL);
 		} else if (strcmp(word, "task") == 0) {
 			int pid;
@@ -760,20 +799,24 @@ static void drain(struct task *t, unsigned char *buf)
 			break;
 		}
 		case UFFD_EVENT_FORK:
+			n_fork++;
 			on_fork(t, (int)msg.arg.fork.ufd);
 			break;
 		case UFFD_EVENT_REMAP:
+			n_remap++;
 			remap(t, msg.arg.remap.from, msg.arg.remap.to, msg.arg.remap.len);
 			break;
 		case UFFD_EVENT_REMOVE: {
 			/* The area stays; later faults in it must see zeros, not the old pages. */
 			struct uffdio_range r = {.start = msg.arg.remove.start,
 						 .len = msg.arg.remove.end - msg.arg.remove.start};
+			n_remove++;
 			ioctl(t->uffd, UFFDIO_UNREGISTER, &r);
 			drop_range(t, msg.arg.remove.start, msg.arg.remove.end);
 			break;
 		}
 		case UFFD_EVENT_UNMAP:
+			n_unmap++;
 			drop_range(t, msg.arg.remove.start, msg.arg.remove.end);
 			break;
 		default:
@@ -1114,8 +1157,10 @@ int main(int argc, char **argv)
 			double secs = now_s() - t_start;
 			report_progress(1);
 			fprintf(stderr, "cedana-pages: %" PRIu64 " bytes in %.3f s: read %.3f s, crc %.3f s "
-				"(%s), copy %.3f s, %" PRIu64 " faults\n", bytes_done, secs, t_read, t_crc,
-				use_clmul ? "pclmul" : "zlib", t_copy, n_faults);
+				"(%s), copy %.3f s, %" PRIu64 " faults; events: %" PRIu64 " fork, %" PRIu64
+				" remap, %" PRIu64 " remove, %" PRIu64 " unmap\n", bytes_done, secs, t_read,
+				t_crc, use_clmul ? "pclmul" : "zlib", t_copy, n_faults, n_fork, n_remap,
+				n_remove, n_unmap);
 			say("done %" PRIu64 " %.3f", bytes_done, secs);
 			exit(0);
 		}

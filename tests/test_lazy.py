@@ -12,6 +12,7 @@ import contextlib
 import json
 import os
 import queue
+import re
 import signal
 import subprocess
 import sys
@@ -156,6 +157,75 @@ async def test_a_corrupt_page_is_never_given_to_the_kernel(kernel, tmp_path: Pat
     await wait_iopub(kc)
     _, out = await run(kc, SUM)
     assert out.strip() == EXPECTED_SUM
+
+
+EVENTS_SETUP = r"""
+import ctypes, hashlib, mmap, os
+import numpy as np
+libc = ctypes.CDLL(None, use_errno=True)
+libc.mmap.restype = libc.mremap.restype = ctypes.c_void_p
+libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                      ctypes.c_long]
+libc.mremap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int,
+                        ctypes.c_void_p]
+N = 16 << 20
+RW, PRIVATE_ANON = mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+moved = libc.mmap(None, N, RW, PRIVATE_ANON, -1, 0)
+ctypes.memmove(moved, os.urandom(N), N)
+moved_hash = hashlib.sha256(ctypes.string_at(moved, N)).hexdigest()
+# Above glibc's largest mmap threshold (32 MiB): a mapping of its own.
+big = np.arange(5 << 20, dtype=np.int64) * 3
+gone = np.arange(5 << 20, dtype=np.int64)
+priv = mmap.mmap(-1, 8 << 20, flags=PRIVATE_ANON)
+priv.write(b"\x07" * (8 << 20))
+"""
+EVENTS_WHILE_LOADING = r"""
+# mremap to another place: the pages still on disk move with the mapping.
+target = libc.mmap(None, N, RW, PRIVATE_ANON, -1, 0)
+moved = libc.mremap(moved, N, N, 1 | 2, target)  # MREMAP_MAYMOVE | MREMAP_FIXED
+assert moved == target
+del gone  # munmap of pages still on disk
+priv.madvise(mmap.MADV_DONTNEED)  # empties pages still on disk: they must read as zeros
+r, w = os.pipe()
+child = os.fork()  # the child reads pages still on disk through its own userfaultfd
+if child == 0:
+    os.write(w, str(int(big.sum())).encode())
+    os._exit(0)
+os.close(w)
+got = os.read(r, 100).decode()
+os.waitpid(child, 0)
+print(got, priv[0], priv[len(priv) - 1])
+"""
+EVENTS_CHECK = (
+    "print(hashlib.sha256(ctypes.string_at(moved, N)).hexdigest() == moved_hash,"
+    " priv[0], priv[4 << 20], int(big.sum()))"
+)
+
+
+async def test_fork_mremap_munmap_madvise_while_memory_loads(kernel, tmp_path: Path) -> None:
+    """The kernel changes its memory map while pages are still on disk: a fork's child
+    gets them too, moved pages arrive where they moved, unmapped ones are not copied, and
+    emptied ones stay empty (never refilled with their old content)."""
+    kc = kernel.test_client
+    prov = kernel.provisioner
+    reply, out = await run(kc, EVENTS_SETUP)
+    assert reply["status"] == "ok", out
+    total = 3 * ((5 << 20) - 1) * (5 << 20) // 2
+    await prov.suspend()
+    hold = hold_transfer(prov, tmp_path)
+    await prov.resume()
+    await wait_iopub(kc)
+    reply, out = await run(kc, EVENTS_WHILE_LOADING)
+    assert reply["status"] == "ok", out
+    assert out.split() == [str(total), "0", "0"]
+    hold.unlink()
+    await prov.memory_loaded()
+    assert prov.state == KernelState.running
+    log = (prov.engine.store.work_dir(prov.kernel_id_str) / "pages.log").read_text()
+    events = {k: int(n) for n, k in re.findall(r"(\d+) (fork|remap|remove|unmap)", log)}
+    assert all(events.get(k, 0) >= 1 for k in ("fork", "remap", "remove", "unmap")), log
+    _, out = await run(kc, EVENTS_CHECK)
+    assert out.split() == ["True", "0", "0", str(total)]
 
 
 async def test_page_server_killed_mid_transfer(kernel, tmp_path: Path) -> None:
