@@ -18,11 +18,11 @@
  * page files with their chunk CRC tables, and per process the lazily restored page runs:
  * address range, page file, offset. The main thread serves page faults, each with the
  * chunk that holds the page, and keeps the runs up to date through fork, mremap, munmap
- * and madvise(DONTNEED) events, as CRIU's daemon does. Two loader threads copy the
- * remaining pages in file order meanwhile, a block at a time, one reading and checking
- * a block while the other copies the one before: the disk, the checksums and the copies
- * overlap. They continue from the last fault, so a cell that walks through its memory
- * finds it coming in ahead of it.
+ * and madvise(DONTNEED) events, as CRIU's daemon does. Meanwhile the remaining pages come
+ * in file order, a block at a time: a reader thread reads and checks blocks ahead while a
+ * copier thread copies the ones before (the disk, the checksums and the copies overlap).
+ * They continue from the last fault, so a cell that walks through its memory finds it
+ * coming in ahead of it.
  *
  * One lock over the runs: a copy and an event never interleave (a page copied into an
  * area madvise(DONTNEED) just emptied would bring back stale data).
@@ -63,9 +63,11 @@
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
 #include <sys/ioctl.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
+#include <sys/uio.h>
 #include <sys/un.h>
 #include <time.h>
 #include <unistd.h>
@@ -77,8 +79,9 @@
 #define SOCKET_NAME "lazy-pages.socket"
 #define RESTORE_FINISHED 0x52535446
 #define PAGE 4096ULL
-#define BLOCK (2ULL << 20) /* background transfer: bytes read per step */
-#define LOADERS 2
+#define BLOCK (4ULL << 20) /* background transfer: bytes read per step */
+#define SLOTS 4		   /* blocks read ahead of the copies */
+#define AHEAD (4 * BLOCK)  /* and asked of the disk ahead of the reads */
 #define PROGRESS_EVERY (64ULL << 20)
 #define MAX_STRIKES 1000
 #define ORPHAN_GRACE_S 10 /* failed and the server gone: give its keeper time to kill */
@@ -207,6 +210,7 @@ static int crc_setup(void)
 
 struct pfile {
 	int fd;
+	int dfd; /* O_DIRECT, where the file system has it: -1 otherwise */
 	uint64_t size;
 	uint64_t ncrc;
 	uint32_t *crc;
@@ -251,7 +255,10 @@ static const char *pause_file, *pidfile;
 static int rootfd = -1;
 static uint64_t bytes_done, bytes_total, last_progress;
 static struct span cursor;	     /* where the loaders claim their next block */
-static struct span claimed[LOADERS]; /* blocks being read and copied (hi == 0: none) */
+static struct span claimed[SLOTS]; /* blocks being read or copied (hi == 0: a free slot) */
+static int ready[SLOTS];	   /* read and checked, to be copied */
+static uint64_t claim_seq[SLOTS], next_seq;
+static unsigned char *slot_buf[SLOTS];
 static double t_start, t_read, t_crc, t_copy; /* where the time went, for the log */
 static uint64_t n_faults, n_fork, n_remap, n_remove, n_unmap;
 
@@ -349,6 +356,16 @@ static int open_in(const char *dir, const char *name)
 	return fd;
 }
 
+/* Pages not in the page cache are read around it: the disk copies them straight into our
+ * buffer (no copy by the CPU, no page cache filled and dropped again: less CPU, which a
+ * busy machine has little of, and the restore does not hold the kernel's memory twice). */
+static int open_direct(const char *dir, const char *name)
+{
+	char full[4096];
+	snprintf(full, sizeof(full), "%s/%s", dir, name);
+	return open(full, O_RDONLY | O_CLOEXEC | O_DIRECT);
+}
+
 /* A page file's chunk table (integrity.py's format: "CDNCHNK1", u32 chunk size, u32 0,
  * u64 file size, a u32 CRC per chunk, little-endian), itself checked against the CRC the
  * manifest has for it. */
@@ -405,7 +422,7 @@ static void load_map(const char *images, const char *path)
 				goto bad;
 			load_table(images, pf, table, table_crc);
 			pf->fd = open_in(images, pf->name);
-			posix_fadvise(pf->fd, 0, 0, POSIX_FADV_SEQUENTIAL);
+			pf->dfd = open_direct(images, pf->name);
 		} else if (strcmp(word, "task") == 0) {
 			int pid;
 			size_t n;
@@ -528,8 +545,31 @@ static int load(int file, uint64_t lo, uint64_t hi, unsigned char *buf, char *wh
 	struct pfile *pf = &files[file];
 	uint64_t got = 0;
 	double t0 = now_s(), t1;
+	int cached = 1; /* first what the page cache holds (a resume soon after a suspend) */
 	while (got < hi - lo) {
-		ssize_t n = pread(pf->fd, buf + got, hi - lo - got, lo + got);
+		ssize_t n;
+		if (cached && pf->dfd >= 0) {
+			struct iovec iov = {.iov_base = buf + got, .iov_len = hi - lo - got};
+			n = preadv2(pf->fd, &iov, 1, (off_t)(lo + got), RWF_NOWAIT);
+			if (n < 0 && errno != EINTR) {
+				cached = 0; /* EAGAIN: not cached; or no RWF_NOWAIT here */
+				continue;
+			}
+			if (n > 0) {
+				n -= n % PAGE; /* the rest comes page-aligned, as O_DIRECT wants */
+				if (n == 0) {
+					cached = 0;
+					continue;
+				}
+			}
+		} else {
+			int fd = pf->dfd >= 0 ? pf->dfd : pf->fd;
+			n = pread(fd, buf + got, hi - lo - got, (off_t)(lo + got));
+			if (n < 0 && errno == EINVAL && fd == pf->dfd) {
+				pf->dfd = -1; /* O_DIRECT refused after all: buffered reads */
+				continue;
+			}
+		}
 		if (n < 0 && errno == EINTR)
 			continue;
 		if (n < 0) {
@@ -680,7 +720,7 @@ static void add_fault(struct task *t, uint64_t page)
 
 static int in_claimed(int file, uint64_t off)
 {
-	for (int i = 0; i < LOADERS; i++)
+	for (int i = 0; i < SLOTS; i++)
 		if (claimed[i].hi && claimed[i].file == file && off >= claimed[i].lo && off < claimed[i].hi)
 			return 1;
 	return 0;
@@ -717,6 +757,8 @@ static int fault(struct task *t, uint64_t page, unsigned char *buf)
 		cursor = (struct span){r.file, hi, hi};
 	pthread_mutex_unlock(&mu);
 	char why[512];
+	if (files[r.file].dfd < 0)
+		posix_fadvise(files[r.file].fd, (off_t)hi, (off_t)AHEAD, POSIX_FADV_WILLNEED);
 	int ok = load(r.file, lo, hi, buf, why, sizeof(why));
 	pthread_mutex_lock(&mu);
 	if (ok < 0) {
@@ -941,7 +983,7 @@ static int work_left(void)
 static int busy_loaders(void)
 {
 	int n = 0;
-	for (int i = 0; i < LOADERS; i++)
+	for (int i = 0; i < SLOTS; i++)
 		n += claimed[i].hi != 0;
 	return n;
 }
@@ -976,7 +1018,7 @@ static int claim(int me, struct span *out)
 			uint64_t hi = best_off + BLOCK;
 			if (hi > files[best->file].size)
 				hi = files[best->file].size;
-			for (int i = 0; i < LOADERS; i++) /* stop short of another loader's block */
+			for (int i = 0; i < SLOTS; i++) /* stop short of another slot's block */
 				if (claimed[i].hi && claimed[i].file == best->file && claimed[i].lo > best_off &&
 				    claimed[i].lo < hi)
 					hi = claimed[i].lo;
@@ -992,54 +1034,89 @@ static int claim(int me, struct span *out)
 	return 0;
 }
 
-static void *loader(void *arg)
+static void wait_a_little(void)
 {
-	int me = (int)(intptr_t)arg;
-	unsigned char *buf;
+	struct timespec ts;
+	clock_gettime(CLOCK_REALTIME, &ts);
+	ts.tv_nsec += 20 * 1000 * 1000;
+	if (ts.tv_nsec >= 1000000000)
+		ts.tv_sec++, ts.tv_nsec -= 1000000000;
+	pthread_cond_timedwait(&cv, &mu, &ts);
+}
+
+/* Reads and checks blocks in file order into free slots: one reader, so that the kernel's
+ * readahead sees one sequential stream. */
+static void *reader(void *arg)
+{
 	char why[512];
-	if (posix_memalign((void **)&buf, PAGE, BLOCK))
-		die("out of memory");
+	(void)arg;
 	pthread_mutex_lock(&mu);
 	for (;;) {
 		struct span b;
+		int s = 0;
 		if (failed)
 			break;
-		if (!finished || paused() || !claim(me, &b)) {
-			struct timespec ts;
-			clock_gettime(CLOCK_REALTIME, &ts);
-			ts.tv_nsec += 20 * 1000 * 1000;
-			if (ts.tv_nsec >= 1000000000)
-				ts.tv_sec++, ts.tv_nsec -= 1000000000;
-			pthread_cond_timedwait(&cv, &mu, &ts);
+		while (s < SLOTS && claimed[s].hi)
+			s++;
+		if (s == SLOTS || !finished || paused() || !claim(s, &b)) {
+			wait_a_little();
 			continue;
 		}
+		claim_seq[s] = next_seq++;
 		pthread_mutex_unlock(&mu);
-		int ok = load(b.file, b.lo, b.hi, buf, why, sizeof(why));
+		if (files[b.file].dfd < 0) /* buffered reads: keep the disk busy ahead of them */
+			posix_fadvise(files[b.file].fd, (off_t)b.hi, (off_t)AHEAD, POSIX_FADV_WILLNEED);
+		int ok = load(b.file, b.lo, b.hi, slot_buf[s], why, sizeof(why));
 		pthread_mutex_lock(&mu);
 		if (ok < 0) {
 			fail("%s", why);
 			break;
 		}
+		ready[s] = 1;
+		pthread_cond_broadcast(&cv);
+	}
+	pthread_mutex_unlock(&mu);
+	return NULL;
+}
+
+/* Copies the read blocks into the processes, oldest first, while the next are read. */
+static void *copier(void *arg)
+{
+	(void)arg;
+	pthread_mutex_lock(&mu);
+	for (;;) {
+		int s = -1;
+		if (failed)
+			break;
+		for (int i = 0; i < SLOTS; i++)
+			if (ready[i] && (s < 0 || claim_seq[i] < claim_seq[s]))
+				s = i;
+		if (s < 0) {
+			wait_a_little();
+			continue;
+		}
+		struct span b = claimed[s];
 		for (int k = 0; k < ntasks && !failed; k++) {
 			struct task *t = tasks[k];
-			while (!t->gone && !failed && serve(t, b.file, b.lo, b.hi, buf) == RETRY) {
+			while (!t->gone && !failed && serve(t, b.file, b.lo, b.hi, slot_buf[s]) == RETRY) {
 				/* An event is pending: let the main thread read it, then retry. */
 				pthread_mutex_unlock(&mu);
 				usleep(200);
 				pthread_mutex_lock(&mu);
 			}
 		}
-		claimed[me].hi = 0;
-		/* Served to every process: its page cache is of no more use (a fork later
+		ready[s] = 0;
+		claimed[s].hi = 0;
+		/* Served to every process: page cache it had is of no more use (a fork later
 		 * reads it again), and a restore should not hold the kernel's memory twice. */
-		posix_fadvise(files[b.file].fd, (off_t)b.lo, (off_t)(b.hi - b.lo), POSIX_FADV_DONTNEED);
+		if (files[b.file].dfd < 0)
+			posix_fadvise(files[b.file].fd, (off_t)b.lo, (off_t)(b.hi - b.lo),
+				      POSIX_FADV_DONTNEED);
 		report_progress(0);
 		pthread_cond_broadcast(&cv);
 		wake_main();
 	}
-	claimed[me].hi = 0;
 	pthread_mutex_unlock(&mu);
-	free(buf);
 	return NULL;
 }
 
@@ -1132,12 +1209,14 @@ int main(int argc, char **argv)
 	struct epoll_event cev = {.events = EPOLLIN, .data.ptr = NULL};
 	if (epoll_ctl(epfd, EPOLL_CTL_ADD, client, &cev) < 0)
 		die("epoll_ctl");
-	for (int i = 0; i < LOADERS; i++) {
-		pthread_t th;
-		if (pthread_create(&th, NULL, loader, (void *)(intptr_t)i) != 0)
-			die("pthread_create");
-		pthread_detach(th);
-	}
+	for (int i = 0; i < SLOTS; i++)
+		if (posix_memalign((void **)&slot_buf[i], PAGE, BLOCK))
+			die("out of memory");
+	pthread_t th[2];
+	if (pthread_create(&th[0], NULL, reader, NULL) || pthread_create(&th[1], NULL, copier, NULL))
+		die("pthread_create");
+	pthread_detach(th[0]);
+	pthread_detach(th[1]);
 
 	for (;;) {
 		struct epoll_event evs[32];
@@ -1156,11 +1235,15 @@ int main(int argc, char **argv)
 		if (finished && !work_left() && !busy_loaders()) {
 			double secs = now_s() - t_start;
 			report_progress(1);
+			struct rusage ru;
+			getrusage(RUSAGE_SELF, &ru);
 			fprintf(stderr, "cedana-pages: %" PRIu64 " bytes in %.3f s: read %.3f s, crc %.3f s "
 				"(%s), copy %.3f s, %" PRIu64 " faults; events: %" PRIu64 " fork, %" PRIu64
-				" remap, %" PRIu64 " remove, %" PRIu64 " unmap\n", bytes_done, secs, t_read,
-				t_crc, use_clmul ? "pclmul" : "zlib", t_copy, n_faults, n_fork, n_remap,
-				n_remove, n_unmap);
+				" remap, %" PRIu64 " remove, %" PRIu64 " unmap; cpu %.3f s\n", bytes_done, secs,
+				t_read, t_crc, use_clmul ? "pclmul" : "zlib", t_copy, n_faults, n_fork, n_remap,
+				n_remove, n_unmap,
+				ru.ru_utime.tv_sec + ru.ru_utime.tv_usec / 1e6 + ru.ru_stime.tv_sec +
+					ru.ru_stime.tv_usec / 1e6);
 			say("done %" PRIu64 " %.3f", bytes_done, secs);
 			exit(0);
 		}
