@@ -13,9 +13,11 @@ import json
 import os
 import queue
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -410,3 +412,26 @@ def _alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
     except FileNotFoundError:
         return False
+
+
+@pytest.fixture
+def shm_root(engine_config: Any) -> Any:
+    """A checkpoint root on tmpfs (no O_DIRECT there: the page server reads through the
+    page cache instead)."""
+    if not Path("/dev/shm").is_dir():
+        pytest.skip("no /dev/shm")
+    root = Path(tempfile.mkdtemp(prefix="cedana-test-", dir="/dev/shm"))
+    engine_config.CheckpointEngine.checkpoint_root = str(root / "checkpoints")
+    yield root
+    shutil.rmtree(root, ignore_errors=True)
+
+
+async def test_lazy_restore_where_direct_reads_are_refused(shm_root: Path, kernel) -> None:
+    prov, image, _ = await suspended_with_array(kernel)
+    assert str(image).startswith(str(shm_root))
+    await prov.resume()
+    await prov.memory_loaded()
+    assert prov.state == KernelState.running and not image.exists()
+    await wait_iopub(kernel.test_client)
+    _, out = await run(kernel.test_client, SUM)
+    assert out.strip() == EXPECTED_SUM
