@@ -85,6 +85,28 @@ def machine_info(root: Path) -> dict[str, Any]:
     }
 
 
+async def engine_at(root: Path) -> Any:
+    """The process's CheckpointEngine on checkpoint root `root`, with the CUDA helper
+    started (or found missing) once, so that no suspend pays for it; None, saying why,
+    where CRIU cannot be used."""
+    import sys
+
+    from traitlets.config import Config
+
+    from jupyter_cedana.engine import CheckpointEngine
+
+    root.mkdir(parents=True, exist_ok=True)
+    CheckpointEngine.clear_instance()
+    c = Config()
+    c.CheckpointEngine.checkpoint_root = str(root)
+    engine = CheckpointEngine.instance(config=c)
+    if not engine.probe().available:
+        print(f"cannot benchmark: {engine.probe().reason}", file=sys.stderr)
+        return None
+    await engine.cuda_checkpointer()
+    return engine
+
+
 def plain_write_fsync(path: Path, nbytes: int) -> tuple[float, float]:
     """Seconds to write nbytes in 8 MiB chunks, and until they and the directory entry are
     durable (write + fsync + directory fsync): a suspend's job without CRIU."""

@@ -37,6 +37,7 @@ from benchlib import (
     can_drop_caches,
     confirm_iopub,
     drop_caches,
+    engine_at,
     fill,
     machine_info,
     oom_kills,
@@ -94,20 +95,10 @@ async def loaded(km: Any, kc: Any) -> None:
 
 
 async def main_async(args: argparse.Namespace) -> int:
-    from traitlets.config import Config
-
-    from jupyter_cedana.engine import CheckpointEngine
-
     root = Path(args.root or tempfile.mkdtemp(prefix="cedana-many-", dir="/var/tmp")).resolve()
-    root.mkdir(parents=True, exist_ok=True)
-    CheckpointEngine.clear_instance()
-    c = Config()
-    c.CheckpointEngine.checkpoint_root = str(root)
-    engine = CheckpointEngine.instance(config=c)
-    if not engine.probe().available:
-        print(f"cannot benchmark: {engine.probe().reason}", file=sys.stderr)
+    engine = await engine_at(root)
+    if engine is None:
         return 2
-    await engine.cuda_checkpointer()
     cold = can_drop_caches()
     machine = machine_info(root)
     print(

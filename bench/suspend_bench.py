@@ -51,6 +51,7 @@ from benchlib import (
     can_drop_caches,
     confirm_iopub,
     drop_caches,
+    engine_at,
     fill,
     machine_info,
     med,
@@ -325,25 +326,14 @@ def print_tables(results: list[dict[str, Any]], targets: list[dict[str, Any]]) -
 
 
 async def main_async(args: argparse.Namespace) -> int:
-    from traitlets.config import Config
-
-    from jupyter_cedana.engine import CheckpointEngine
-
     if args.quick:
         args.sizes, args.repeat = "0.1", 1
     sizes = [float(x) for x in args.sizes.split(",") if x.strip()]
     root = Path(args.root or tempfile.mkdtemp(prefix="cedana-bench-", dir="/var/tmp")).resolve()
-    root.mkdir(parents=True, exist_ok=True)
-    CheckpointEngine.clear_instance()
-    c = Config()
-    c.CheckpointEngine.checkpoint_root = str(root)
-    engine = CheckpointEngine.instance(config=c)
-    info = engine.probe()
-    if not info.available:
-        print(f"cannot benchmark: {info.reason}", file=sys.stderr)
+    engine = await engine_at(root)
+    if engine is None:
         return 2
     print(f"lazy restore: {engine.lazy_unsupported() or 'yes'}")
-    await engine.cuda_checkpointer()  # started (or found missing) once, not in a suspend
     cold = can_drop_caches()
     if not cold:
         print("not root: caches are not dropped (warm-cache numbers)")

@@ -9,15 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import os
 import queue
 import re
-import shutil
 import signal
-import subprocess
-import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -27,7 +22,7 @@ import pytest
 import jupyter_cedana
 from jupyter_cedana import crimg
 from jupyter_cedana.provisioner import KernelState
-from tests.conftest import kernel_pids, run, wait_iopub
+from tests.conftest import alive, kernel_pids, run, stand_in_server, wait_iopub
 
 pytestmark = pytest.mark.criu
 
@@ -380,15 +375,8 @@ def test_server_killed_mid_transfer_keeps_the_image(tmp_path: Path) -> None:
     wrapper = tmp_path / "cedana-pages"
     wrapper.write_text(f'#!/bin/sh\nexec {PAGES} --pause-file {hold} "$@"\n')
     wrapper.chmod(0o755)
-    server = subprocess.Popen(
-        [sys.executable, "-c", SERVER, str(tmp_path / "checkpoints"), str(wrapper)],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
+    server, started = stand_in_server(SERVER, str(tmp_path / "checkpoints"), str(wrapper))
     try:
-        line = server.stdout.readline() if server.stdout else ""
-        assert line, "the stand-in server did not resume its kernel"
-        started = json.loads(line)
         kid = Path(started["image"]).name
         servers = page_servers(kid)
         assert len(servers) == 1
@@ -396,42 +384,11 @@ def test_server_killed_mid_transfer_keeps_the_image(tmp_path: Path) -> None:
         server.wait()
         watched = started["pids"] + [started["keeper"]] + servers
         deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and any(Path(f"/proc/{p}").exists() for p in watched):
+        while time.monotonic() < deadline and any(alive(p) for p in watched):
             time.sleep(0.1)
-        assert not [p for p in watched if _alive(p)]
+        assert not [p for p in watched if alive(p)]
         assert Path(started["image"]).is_dir()
     finally:
         if server.poll() is None:
             server.kill()
             server.wait()
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except FileNotFoundError:
-        return False
-
-
-@pytest.fixture
-def shm_root(engine_config: Any) -> Any:
-    """A checkpoint root on tmpfs (no O_DIRECT there: the page server reads through the
-    page cache instead)."""
-    if not Path("/dev/shm").is_dir():
-        pytest.skip("no /dev/shm")
-    root = Path(tempfile.mkdtemp(prefix="cedana-test-", dir="/dev/shm"))
-    engine_config.CheckpointEngine.checkpoint_root = str(root / "checkpoints")
-    yield root
-    shutil.rmtree(root, ignore_errors=True)
-
-
-async def test_lazy_restore_where_direct_reads_are_refused(shm_root: Path, kernel) -> None:
-    prov, image, _ = await suspended_with_array(kernel)
-    assert str(image).startswith(str(shm_root))
-    await prov.resume()
-    await prov.memory_loaded()
-    assert prov.state == KernelState.running and not image.exists()
-    await wait_iopub(kernel.test_client)
-    _, out = await run(kernel.test_client, SUM)
-    assert out.strip() == EXPECTED_SUM
