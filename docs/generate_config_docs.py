@@ -23,6 +23,7 @@ from jupyter_cedana.app import CedanaApp
 from jupyter_cedana.cuda import CudaCheckpointer
 from jupyter_cedana.engine import CheckpointEngine
 from jupyter_cedana.gpu import GpuMonitor
+from jupyter_cedana.parking import KernelParking
 from jupyter_cedana.policy import SuspendPolicy
 
 DOCS = Path(__file__).resolve().parent
@@ -32,6 +33,7 @@ OUTPUT = DOCS / "config.md"
 CLASSES: list[type[Configurable]] = [
     CedanaApp,
     SuspendPolicy,
+    KernelParking,
     CheckpointEngine,
     GpuMonitor,
     CudaCheckpointer,

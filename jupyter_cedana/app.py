@@ -3,6 +3,7 @@ events and metrics into the running server."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from jupyter_client.provisioning import KernelProvisionerFactory
@@ -14,6 +15,7 @@ from .engine import CheckpointEngine
 from .gate import GatedWebsocketConnection, MessageGate
 from .handlers import handlers
 from .manager import EVENT_SCHEMA_FILE, SuspendManager
+from .parking import KernelParking
 from .policy import SuspendPolicy
 
 
@@ -45,6 +47,8 @@ class CedanaApp(ExtensionApp):
     ).tag(config=True)
 
     manager: SuspendManager | None = None
+    parking: KernelParking | None = None
+    _stopping: asyncio.Future[None] | None = None
 
     @property
     def _server(self) -> Any:
@@ -85,6 +89,8 @@ class CedanaApp(ExtensionApp):
             event_logger=event_logger,
         )
         self.settings["cedana_manager"] = self.manager
+        self.parking = KernelParking(parent=self.serverapp, manager=self.manager)
+        self.parking.install(self._server)
         if self.transparent_resume:
             self._install_gate()
         self._guard_culler()
@@ -130,10 +136,22 @@ class CedanaApp(ExtensionApp):
 
     async def _start_jupyter_server_extension(self, serverapp: Any) -> None:
         if self.manager is not None:
+            if self.parking is not None:
+                await self.parking.adopt()
             await self.manager.engine.cuda_checkpointer()
             self.manager.start()
 
     async def stop_extension(self) -> None:
-        if self.manager is not None:
-            await self.manager.stop()
-            await self.manager.engine.close()
+        # Runs before the server shuts its kernels down; a second stop waits for the first.
+        if self._stopping is None:
+            self._stopping = asyncio.ensure_future(self._stop())
+        await asyncio.shield(self._stopping)
+
+    async def _stop(self) -> None:
+        if self.manager is None:
+            return
+        loop_stopped = asyncio.ensure_future(self.manager.stop())
+        if self.parking is not None:
+            await self.parking.park_all()
+        await loop_stopped
+        await self.manager.engine.close()

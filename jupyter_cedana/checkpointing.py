@@ -13,13 +13,15 @@ import os
 import shutil
 import signal
 import subprocess
+import threading
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from . import lazy
 from .crimg import dump_breakdown
-from .engine import CheckpointEngine, kill_restore
+from .cuda import CudaStateLeft
+from .engine import CheckpointEngine, DumpResult, kill_restore
 from .errors import (
     CedanaError,
     CheckpointCorrupt,
@@ -29,12 +31,13 @@ from .errors import (
     ResumeFailed,
     SuspendFailed,
 )
+from .gpu_steps import GpuSteps
 from .integrity import is_page_file
 from .proctree import process_tree
-from .transitions import KernelState, TransitionMachine
+from .transitions import KernelState
 
 
-class Checkpointing(TransitionMachine):
+class Checkpointing(GpuSteps):
     """suspend() / resume() of the provisioner's kernel."""
 
     kernel_id: Any
@@ -49,7 +52,6 @@ class Checkpointing(TransitionMachine):
     last_resume_seconds: float | None = None
     checkpoint_bytes: int = 0
     gpu_memory_freed: int = 0
-    _gpu_state: dict[str, Any] | None = None
     _chores: set[asyncio.Future[Any]]
     _loading: asyncio.Future[None] | None = None  # a lazy restore's pages coming in
 
@@ -78,11 +80,20 @@ class Checkpointing(TransitionMachine):
         """Checkpoint the kernel (process tree and GPU memory) and free its resources."""
         if tier not in ("disk", "offload"):
             raise ValueError(f"unknown tier {tier!r}")
+        self._refuse_while_shutting_down()
         return await self._once(f"suspend-{tier}", lambda: self._suspend(tier))
 
     async def resume(self) -> dict[str, Any]:
         """Restore a suspended kernel; on failure the image is kept and a retry may work."""
+        self._refuse_while_shutting_down()
         return await self._once("resume", self._resume)
+
+    def _refuse_while_shutting_down(self) -> None:
+        # A shutdown or restart aborts the transition in flight; none may start after it.
+        if getattr(self.parent, "shutting_down", False):
+            raise Conflict(
+                f"Kernel {self.kernel_id} is not running: it is shutting down or restarting"
+            )
 
     async def _suspend(self, tier: str) -> dict[str, Any]:
         await self.memory_loaded()
@@ -117,6 +128,9 @@ class Checkpointing(TransitionMachine):
             result = await gpu.offload(process_tree(self.pid or 0), progress=self._gpu_progress)
             if not result:
                 raise Conflict(f"Kernel {self.kernel_id} holds no GPU memory: nothing to offload")
+        except CudaStateLeft as e:
+            self._gpu_left(e)
+            raise
         except BaseException as e:
             self._set_state(KernelState.running, reason=getattr(e, "message", None) or str(e))
             raise
@@ -143,9 +157,6 @@ class Checkpointing(TransitionMachine):
                 f"{self.engine.cuda_status()[1]}"
             )
 
-    def _gpu_progress(self, phase: str, done: int | None, total: int | None) -> None:
-        self._set_progress(phase, done, total)
-
     async def _dump(self, from_offload: bool) -> dict[str, Any]:
         engine = self.engine
         engine.require()
@@ -156,15 +167,64 @@ class Checkpointing(TransitionMachine):
         gpu_state = self._gpu_state if from_offload else None
         gpu = await self._gpu()
         if not from_offload and gpu is not None:
-            gpu_state = await gpu.offload(pids, progress=self._gpu_progress) or None
+            try:
+                gpu_state = await gpu.offload(pids, progress=self._gpu_progress) or None
+            except CudaStateLeft as e:
+                self._gpu_left(e)
+                raise
         elif not from_offload:
             self._refuse_unsaved_gpu_memory(pids)
-        tmp = store.begin(kid)
-        stopped = False
-        t_dump = time.monotonic()
+        tmp = None
         try:
+            tmp = store.begin(kid)  # a full disk fails here, after the offload: undo it
             dumped = await engine.dump(self.pid or 0, tmp, progress=self._set_progress)
-            stopped = True
+        except BaseException as e:
+            await self._undo_dump(e, tmp, pids, gpu, gpu_state if not from_offload else None)
+            if isinstance(e, SuspendFailed | asyncio.CancelledError):
+                raise
+            raise SuspendFailed(f"Suspend of kernel {kid} failed: {e}") from e
+        # From here on the suspend completes (or fails) as a whole: a cancellation that
+        # arrives meanwhile takes effect after it, on a suspended kernel.
+        return await _uncancellable(
+            self._commit_dump(tmp, pids, gpu, gpu_state, from_offload, dumped, t0)
+        )
+
+    async def _undo_dump(
+        self,
+        error: BaseException,
+        tmp: Any,
+        pids: set[int],
+        gpu: Any,
+        gpu_state: dict[str, Any] | None,
+    ) -> None:
+        """Let the kernel run on as before a failed, timed-out or cancelled dump. CRIU
+        leaves the tree stopped after a dump, and also when it is killed mid-dump."""
+        if tmp is not None:
+            self.engine.store.discard(tmp)
+        self._continue(pids | process_tree(self.pid or 0))
+        if gpu_state is not None and gpu is not None:
+            left = await self._undo_offload(gpu, gpu_state)
+            if left is not None:
+                raise SuspendFailed(
+                    f"Suspend of kernel {self.kernel_id_str} failed: {error}; {left}"
+                ) from error
+
+    async def _commit_dump(
+        self,
+        tmp: Any,
+        pids: set[int],
+        gpu: Any,
+        gpu_state: dict[str, Any] | None,
+        from_offload: bool,
+        dumped: DumpResult,
+        t0: float,
+    ) -> dict[str, Any]:
+        engine = self.engine
+        store = engine.store
+        kid = self.kernel_id_str
+        t_dumped = time.monotonic()
+        try:
+            self._set_progress("verify", None, None)
             self._set_progress("verify", None, None)
             manifest = await asyncio.to_thread(
                 store.commit,
@@ -182,15 +242,7 @@ class Checkpointing(TransitionMachine):
                 dumped.sums,
             )
         except BaseException as e:
-            store.discard(tmp)
-            if stopped:
-                self._continue(pids)
-            if gpu_state is not None and gpu is not None and not from_offload:
-                with contextlib.suppress(Exception):
-                    await gpu.restore(gpu_state, None, admission=False)
-                gpu_state = None
-            if isinstance(e, SuspendFailed | asyncio.CancelledError):
-                raise
+            await self._undo_dump(e, tmp, pids, gpu, gpu_state if not from_offload else None)
             raise SuspendFailed(f"Suspend of kernel {kid} failed: {e}") from e
         # The image is safe on disk: only now does the kernel's memory go.
         t_commit = time.monotonic()
@@ -202,11 +254,11 @@ class Checkpointing(TransitionMachine):
         t_killed = time.monotonic()
         self.last_suspend_breakdown = {
             **manifest["timings"],
-            "before_dump_s": t_dump - t0,
-            "commit_s": t_commit - t_dump - dumped.seconds,
+            "before_dump_s": t_dumped - dumped.seconds - t0,  # GPU offload, dump queue
+            "commit_s": t_commit - t_dumped,
             "kill_s": t_killed - t_commit,
             # From CRIU's start (it freezes the tree at once) until the tree is gone.
-            "frozen_s": t_killed - t_dump,
+            "frozen_s": dumped.seconds + t_killed - t_dumped,
         }
         self._reserve_ports()
         self._gpu_state = gpu_state
@@ -233,10 +285,16 @@ class Checkpointing(TransitionMachine):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGCONT)
 
-    async def _continue_restored(self, root: int, timeout: float = 10.0) -> None:
+    async def _continue_restored(
+        self,
+        root: int,
+        timeout: float = 10.0,
+        before: Callable[[], Awaitable[None]] | None = None,
+    ) -> None:
         """CRIU writes the pidfile while the restored tasks are still ptrace-stopped and
         stops them for good (SIGSTOP) only as it detaches: a SIGCONT sent before that is
-        overtaken. Wait for the group stop of every task, continue, and make sure."""
+        overtaken. Wait for the group stop of every task, run `before` (the GPU restore),
+        continue, and make sure."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             pids = process_tree(root)
@@ -245,6 +303,8 @@ class Checkpointing(TransitionMachine):
             await asyncio.sleep(0.005)
         else:
             self.log.warning("Restored kernel %s did not report stopped; continuing it", root)
+        if before is not None:
+            await before()
         settle = time.monotonic() + 1.0
         while True:
             self._continue(process_tree(root))
@@ -267,8 +327,10 @@ class Checkpointing(TransitionMachine):
     async def _resume(self) -> dict[str, Any]:
         if self.state == KernelState.running:
             raise Conflict(f"Kernel {self.kernel_id} is running, not suspended")
-        if self.tier == "offload" and self.state == KernelState.suspended:
+        if self.tier == "offload" and self.state in (KernelState.suspended, KernelState.failed):
             return await self._resume_offload()
+        if self.state == KernelState.failed and self._gpu_lost:
+            raise Conflict(f"Kernel {self.kernel_id} cannot be resumed: {self.reason}; restart it")
         engine = self.engine
         engine.require()
         store = engine.store
@@ -293,13 +355,18 @@ class Checkpointing(TransitionMachine):
         loop = asyncio.get_running_loop()
         self._set_progress("restore", 0, int(manifest["total_bytes"]) or None)
 
+        abandoned = threading.Event()
+
         def verified(done: int, total: int) -> None:
+            if abandoned.is_set():  # the restore failed or was cancelled: stop reading
+                raise ResumeFailed("checksum verification abandoned")
             loop.call_soon_threadsafe(self._set_progress, "restore", done, total)
 
         verify: asyncio.Future[Any] = loop.create_future()
         verify.set_result(None)
         pages: lazy.PageServer | None = None
         proc: subprocess.Popen[bytes] | None = None
+        restored: asyncio.Future[int] | None = None
         pid: int | None = None
         try:
             images = store.path(kid)
@@ -330,16 +397,19 @@ class Checkpointing(TransitionMachine):
             pid = await restored
             await verify
             t_restored = time.monotonic()
-            await self._continue_restored(pid)
-            if gpu_state and gpu is not None:
-                self._set_progress("gpu-restore", None, None)
-                await gpu.restore(
-                    gpu_state, process_tree(pid), admission=plan, progress=self._gpu_progress
-                )
+            before, after = self._gpu_restore_step(gpu, gpu_state, pid, plan)
+            await self._continue_restored(pid, before=before)
+            if after is not None:
+                await after()
         except BaseException as caught:
             # Whatever was restored must not run on: its image or its GPU memory is wrong.
             err: BaseException = caught
+            abandoned.set()
+            if restored is not None and not restored.done():
+                restored.cancel()  # it polls for a PID that will not come
             restored_pids = process_tree(pid) if pid is not None else set()
+            if proc is not None:  # a tree restored but not yet reported is CRIU's child
+                restored_pids |= process_tree(proc.pid) - {proc.pid}
             if pid is not None:
                 self._kill_tree(pid)
             if proc is not None:
@@ -347,8 +417,12 @@ class Checkpointing(TransitionMachine):
             await _gone(restored_pids)
             if pages is not None:
                 await pages.stop()
-            with contextlib.suppress(BaseException):
-                await verify
+            pending: set[asyncio.Future[Any]] = {verify}
+            if restored is not None:
+                pending.add(restored)
+            await asyncio.wait(pending)
+            if restored is not None and not restored.cancelled():
+                restored.exception()  # seen: the error to report is `caught`
             damaged = None if verify.cancelled() else verify.exception()
             if isinstance(damaged, CheckpointCorrupt):
                 err = damaged  # explains a CRIU failure better than CRIU does
@@ -471,14 +545,18 @@ class Checkpointing(TransitionMachine):
 
     async def _resume_offload(self) -> dict[str, Any]:
         gpu = await self._gpu()
+        previous = self.state
         self._set_state(KernelState.resuming)
         t0 = time.monotonic()
         try:
             if gpu is None:
                 raise ResumeFailed("GPU checkpoint support went away")
             await gpu.restore(self._gpu_state, None, progress=self._gpu_progress)
+        except CudaStateLeft as e:
+            self._gpu_left(e)
+            raise
         except BaseException as e:
-            self._set_state(KernelState.suspended, reason=getattr(e, "message", None) or str(e))
+            self._set_state(previous, reason=getattr(e, "message", None) or str(e))
             raise
         self._gpu_state = None
         self.tier = None
@@ -505,6 +583,19 @@ def _proc_state(pid: int) -> str:
             return f.read().rsplit(")", 1)[1].split()[0]
     except (OSError, IndexError):
         return "?"
+
+
+async def _uncancellable(work: Awaitable[Any]) -> Any:
+    """Run `work` to its end even if the caller is cancelled meanwhile; the cancellation
+    is raised once it has ended."""
+    task = asyncio.ensure_future(work)
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        await asyncio.wait({task})
+        if not task.cancelled() and task.exception() is not None:
+            raise task.exception() from None  # type: ignore[misc]
+        raise
 
 
 async def _gone(pids: set[int], timeout: float = 5.0) -> None:

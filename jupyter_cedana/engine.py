@@ -29,6 +29,7 @@ from .integrity import FollowingHasher
 
 MIN_CRIU = (4, 2)
 _PACKAGE_BIN = Path(__file__).parent / "bin"
+_NO_PLUGINS = Path(__file__).parent / "criu_plugins"  # holds no .so: CRIU loads nothing
 
 ProgressCallback = Callable[[str, int | None, int | None], None]
 
@@ -184,6 +185,15 @@ class CheckpointEngine(SingletonConfigurable):
         config=True
     )
 
+    criu_plugin_dir = Unicode(
+        "",
+        help="Directory CRIU loads its plugins from (criu --libdir). Empty: none (a directory "
+        "of the package without plugins); CRIU's default (/usr/lib/criu) and CRIU_LIBS_DIR "
+        "are never used. In particular CRIU's cuda_plugin.so must not run: it "
+        "would restore and unlock a kernel's GPU memory behind jupyter-cedana's back (GPU "
+        "checkpointing is off while the directory holds it).",
+    ).tag(config=True)
+
     gpu = Bool(
         True,
         help="Watch GPU use through NVML and checkpoint GPU memory through the CUDA driver "
@@ -222,12 +232,29 @@ class CheckpointEngine(SingletonConfigurable):
                 await self._cuda.start()
             except Exception as e:
                 self.log.warning("CUDA checkpoint helper failed to start: %s", e)
+        if self._plugin_conflict() is not None:
+            return None
         return self._cuda if self._cuda is not None and self._cuda.available else None
 
     def cuda_status(self) -> tuple[bool, str | None]:
+        conflict = self._plugin_conflict()
+        if conflict is not None:
+            return False, conflict
         if self._cuda is None:
             return False, "CUDA checkpoint helper not started"
         return bool(self._cuda.available), self._cuda.reason
+
+    def _plugin_conflict(self) -> str | None:
+        if self.criu_plugin_dir and (Path(self.criu_plugin_dir) / "cuda_plugin.so").exists():
+            return (
+                f"CheckpointEngine.criu_plugin_dir ({self.criu_plugin_dir}) holds CRIU's "
+                "cuda_plugin.so, which restores GPU memory by itself and breaks resume"
+            )
+        return None
+
+    def plugin_dir(self) -> str:
+        """The directory given to criu --libdir: the configured one, or one without plugins."""
+        return self.criu_plugin_dir or str(_NO_PLUGINS)
 
     async def close(self) -> None:
         if self._cuda is not None:
@@ -331,7 +358,21 @@ class CheckpointEngine(SingletonConfigurable):
             args.append("--unprivileged")
         return args
 
+    _dump_lock: asyncio.Lock | None = None
+
     async def dump(
+        self, pid: int, images: Path, progress: ProgressCallback | None = None
+    ) -> DumpResult:
+        """One CRIU dump at a time: CRIU's parasite mounts /proc on a directory it makes,
+        `proc.crtools`, in the working directory of each task it dumps (the kernel's PID
+        namespace does not own the host /proc), so two dumps of kernels sharing a working
+        directory fail with EEXIST. The disk is the bottleneck anyway."""
+        if self._dump_lock is None:
+            self._dump_lock = asyncio.Lock()
+        async with self._dump_lock:
+            return await self._criu_dump(pid, images, progress)
+
+    async def _criu_dump(
         self, pid: int, images: Path, progress: ProgressCallback | None = None
     ) -> DumpResult:
         """Dump the tree rooted at `pid` into `images`, leaving it stopped (not killed).
@@ -346,6 +387,10 @@ class CheckpointEngine(SingletonConfigurable):
         cmd = [
             *self._base_args(info),
             "dump",
+            # An explicit plugin directory: a distribution's cuda_plugin.so would otherwise
+            # checkpoint, and at restore restore and unlock, the GPU state by itself.
+            "--libdir",
+            self.plugin_dir(),
             "-t",
             str(pid),
             "-D",
@@ -386,6 +431,9 @@ class CheckpointEngine(SingletonConfigurable):
                     raise SuspendFailed(f"CRIU dump took longer than {self.dump_timeout:.0f} s")
         except asyncio.CancelledError:
             proc.kill()
+            # The caller continues the tree once CRIU has let go of it (it may have
+            # stopped it), so CRIU must be gone before this returns.
+            await asyncio.shield(wait)
             raise
         finally:
             sums = await asyncio.to_thread(hasher.finish)
@@ -421,6 +469,8 @@ class CheckpointEngine(SingletonConfigurable):
             *self._base_args(info),
             "restore",
             "-d",
+            "--libdir",
+            self.plugin_dir(),
             "-D",
             str(images),
             "-W",

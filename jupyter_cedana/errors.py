@@ -81,3 +81,10 @@ class GpuError(CedanaError):
 
     code = "gpu_error"
     status = 500
+
+
+class InsufficientHostMemory(CedanaError):
+    """The GPU offload would not fit in host memory (machine or cgroup limit)."""
+
+    code = "insufficient_host_memory"
+    status = 503

@@ -2,8 +2,11 @@
 
 Each kernel is a set of host PIDs (its process tree). NVML reports processes by
 PID; those are matched to the trees directly, then through `NSpid` (a process in
-another PID namespace), then, as a last resort, through the `/dev/nvidiaN` files
-the tree's processes hold open (see docs/gpu.md for what each match can know).
+another PID namespace), then through PIDs learned earlier, and last through the
+`/dev/nvidiaN` files the tree's processes hold open: when exactly one NVML process
+of a GPU and one process of the kernels holding that GPU are left unexplained, they
+are the same process, and that is remembered (see docs/gpu.md for what each match
+can know).
 
 No driver, no GPU or no pynvml: `available` is False and `reason` says why; every
 query then answers "no GPU use", so CPU kernels are unaffected.
@@ -34,7 +37,8 @@ class GpuUse:
     utilization: float | None = None  # percent, averaged over the sliding window
     name: str = ""
     pids: list[int] = field(default_factory=list)  # host pids using this GPU
-    matched_by: str = "pid"  # "pid", "nspid" or "devfile" (memory then approximate)
+    # "pid", "nspid", "learned" (exact) or "devfile" (memory then approximate)
+    matched_by: str = "pid"
     mps: bool = False  # the process is an MPS client
 
     def to_json(self) -> dict[str, Any]:
@@ -93,6 +97,8 @@ class GpuMonitor(LoggingConfigurable):
         self._windows: dict[str, deque[tuple[float, dict[str, float | None]]]] = {}
         self._observed_since: dict[str, float] = {}
         self._last: dict[str, list[GpuUse]] = {}
+        # NVML pid of another namespace -> (host pid, its start time), learned by elimination
+        self._aliases: dict[int, tuple[int, str]] = {}
 
     # ---- set-up ----
 
@@ -311,25 +317,71 @@ class GpuMonitor(LoggingConfigurable):
                 rest.append(pu)
         if not rest:
             return out
-        # Last resort: which kernels hold /dev/nvidiaN open. Memory of the unmatched
-        # NVML entries is attributed only when exactly one kernel holds that GPU.
-        holders: dict[int, dict[str, int]] = {}
+        rest = self._match_learned(rest, owner, out)
+        if not rest:
+            return out
+        # Last resort: which kernels hold /dev/nvidiaN open, and by elimination which
+        # process an unexplained NVML entry is.
+        holders: dict[int, dict[str, set[int]]] = {}
         for kid, pids in trees.items():
             for p in pids:
                 for path in open_device_files(p, self.device_path_prefix):
                     minor = gpu_minor(path, self.device_path_prefix)
                     if minor is not None:
-                        holders.setdefault(minor, {}).setdefault(kid, p)
+                        holders.setdefault(minor, {}).setdefault(kid, set()).add(p)
+        by_minor: dict[int | None, list[_ProcUse]] = {}
         for pu in rest:
-            kids = holders.get(pu.dev.minor, {}) if pu.dev.minor is not None else {}
-            if len(kids) == 1:
-                kid, hp = next(iter(kids.items()))
-                out[kid].append((pu, hp, "devfile"))
-            else:
-                for kid, hp in kids.items():
-                    # known: this kernel uses the GPU; unknown: how much of it
-                    out[kid].append((_ProcUse(pu.dev, pu.pid, 0, pu.mps), hp, "devfile"))
+            by_minor.setdefault(pu.dev.minor, []).append(pu)
+        for minor, entries in by_minor.items():
+            kids = holders.get(minor, {}) if minor is not None else {}
+            # holders not yet explained by an NVML entry of this GPU
+            open_kids = {
+                k: hp for k, hp in kids.items() if not any(m[0].dev.minor == minor for m in out[k])
+            }
+            if len(entries) == 1 and len(open_kids) == 1:
+                kid, hps = next(iter(open_kids.items()))
+                if len(hps) == 1:
+                    (hp,) = hps
+                    self._learn(entries[0].pid, hp)
+                    out[kid].append((entries[0], hp, "learned"))
+                    continue
+            for pu in entries:
+                if len(open_kids) == 1:
+                    kid, hps = next(iter(open_kids.items()))
+                    out[kid].append((pu, min(hps), "devfile"))
+                else:
+                    for kid, hps in open_kids.items():
+                        # known: this kernel uses the GPU; unknown: how much of it
+                        out[kid].append((_ProcUse(pu.dev, pu.pid, 0, pu.mps), min(hps), "devfile"))
         return out
+
+    def _learn(self, nvml_pid: int, host_pid: int) -> None:
+        started = _start_time(host_pid)
+        if started is not None:
+            self._aliases[nvml_pid] = (host_pid, started)
+
+    def _match_learned(
+        self,
+        rest: list[_ProcUse],
+        owner: dict[int, str],
+        out: dict[str, list[tuple[_ProcUse, int | None, str]]],
+    ) -> list[_ProcUse]:
+        """Match NVML entries through PIDs learned earlier; entries learned to be another
+        process (not in these trees) are dropped. Returns the entries still unexplained."""
+        seen = {pu.pid for pu in rest}
+        for nvml_pid in [n for n in self._aliases if n not in seen]:
+            del self._aliases[nvml_pid]  # that NVML process is gone
+        left = []
+        for pu in rest:
+            alias = self._aliases.get(pu.pid)
+            if alias is not None and _start_time(alias[0]) != alias[1]:
+                del self._aliases[pu.pid]  # the host process is gone (its pid may be reused)
+                alias = None
+            if alias is None:
+                left.append(pu)
+            elif alias[0] in owner:
+                out[owner[alias[0]]].append((pu, alias[0], "learned"))
+        return left
 
     def _uses(
         self,
@@ -451,6 +503,15 @@ class GpuMonitor(LoggingConfigurable):
             "driver_version": self.driver_version,
             "devices": self.devices(),
         }
+
+
+def _start_time(pid: int) -> str | None:
+    """Field 22 of /proc/PID/stat: tells a process from a later one with the same pid."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
 
 
 def _text(v: Any) -> str:

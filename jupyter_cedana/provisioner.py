@@ -21,8 +21,10 @@ from jupyter_client.connect import KernelConnectionInfo
 from jupyter_client.launcher import launch_kernel
 from jupyter_client.provisioning import LocalProvisioner
 
+from .adoption import claim_adoption
 from .checkpointing import Checkpointing
 from .errors import Conflict
+from .launch import check_executable, ipykernel_options, pidns_environment
 from .proctree import process_tree
 from .transitions import KernelState, Listener, Progress, TransitionMachine
 
@@ -52,6 +54,9 @@ class CedanaProvisioner(Checkpointing, TransitionMachine, LocalProvisioner):  # 
     # -- launch ---------------------------------------------------------------------------
 
     async def launch_kernel(self, cmd: list[str], **kwargs: Any) -> KernelConnectionInfo:
+        adopted = claim_adoption(self)  # a kernel parked by an earlier server: no launch
+        if adopted is not None:
+            return adopted
         engine = self.engine
         store = engine.store
         store.ensure_root()
@@ -62,12 +67,13 @@ class CedanaProvisioner(Checkpointing, TransitionMachine, LocalProvisioner):  # 
             wrapped.append("--pidns")
         if engine.kernels_die_with_server:
             wrapped.append("--die-with-parent")
-        if engine.ipython_history_in_memory and any("ipykernel" in part for part in cmd):
-            cmd = [*cmd, "--HistoryManager.hist_file=:memory:"]
-        wrapped += ["--pidfile", str(pidfile), "--", *cmd]
-
         kw = LocalProvisioner._scrub_kwargs(kwargs)
         env = dict(kw.pop("env", None) or os.environ)
+        check_executable(cmd, env, kw.get("cwd"))
+        cmd = ipykernel_options(cmd, history_in_memory=engine.ipython_history_in_memory)
+        if engine.pidns:
+            pidns_environment(env)
+        wrapped += ["--pidfile", str(pidfile), "--", *cmd]
         # ipykernel polls this PID and exits when it changes, which it does after a restore.
         env.pop("JPY_PARENT_PID", None)
         # A file only this kernel writes: a shared log that grows after a dump would make
@@ -120,17 +126,25 @@ class CedanaProvisioner(Checkpointing, TransitionMachine, LocalProvisioner):  # 
         return 0
 
     def _offloaded_process_died(self) -> bool:
-        """An offloaded kernel keeps its process; when that dies the kernel is dead (there
-        is no image to resume from), and poll() must say so for the restarter."""
-        if self.tier != "offload" or self.state != KernelState.suspended:
+        """An offloaded kernel keeps its process (so does one failed with its GPU state
+        offloaded or lost); when that dies the kernel is dead (there is no image to resume
+        from), and poll() must say so for the restarter."""
+        if not self._keeps_process():
             return False
         if self.process is None or self.process.poll() is None:
             return False
         self.log.warning("Offloaded kernel %s exited", self.kernel_id)
         self._gpu_state = None
+        self._gpu_lost = False
         self.tier = None
         self._set_state(KernelState.running, reason="the offloaded kernel's process exited")
         return True
+
+    def _keeps_process(self) -> bool:
+        """Not running, yet its process lives: offloaded, or failed by a GPU step."""
+        if self.state == KernelState.failed:
+            return self.tier == "offload" or self._gpu_lost
+        return self.state == KernelState.suspended and self.tier == "offload"
 
     async def wait(self) -> int | None:
         while await self.poll() is None:
@@ -161,11 +175,13 @@ class CedanaProvisioner(Checkpointing, TransitionMachine, LocalProvisioner):  # 
             os.kill(self.pid, signum)
 
     async def kill(self, restart: bool = False) -> None:
+        await self._abort_for_shutdown(restart)
         if self._discard_if_suspended():
             return
         await self._signal_quietly(signal.SIGKILL)
 
     async def terminate(self, restart: bool = False) -> None:
+        await self._abort_for_shutdown(restart)
         if self._discard_if_suspended():
             return
         await self._signal_quietly(signal.SIGTERM)
@@ -177,14 +193,23 @@ class CedanaProvisioner(Checkpointing, TransitionMachine, LocalProvisioner):  # 
     async def shutdown_requested(self, restart: bool = False) -> None:
         # A suspended kernel cannot answer the shutdown request: finish it here, so that
         # shutdown does not wait out the grace period.
+        await self._abort_for_shutdown(restart)
         self._discard_if_suspended()
         await super().shutdown_requested(restart=restart)
+
+    async def _abort_for_shutdown(self, restart: bool) -> None:
+        """A shutdown or restart ends any suspend or resume in flight first: the old
+        tree either runs on (and gets the shutdown) or is gone, and nothing it does
+        later can touch the kernel started next."""
+        await self._abort_transition(
+            "the kernel is restarting" if restart else "the kernel is shutting down"
+        )
 
     def _discard_if_suspended(self) -> bool:
         if self.state == KernelState.running or self._inflight is not None:
             return False
         self.log.info("Discarding the checkpoint of kernel %s", self.kernel_id)
-        if self.tier == "offload" and self.pid:
+        if self._keeps_process() and self.pid:
             # An offloaded kernel keeps its process (GPU memory moved into host memory).
             self._kill_tree(self.pid)
             if self.process is not None:
@@ -194,12 +219,15 @@ class CedanaProvisioner(Checkpointing, TransitionMachine, LocalProvisioner):  # 
         self._release_ports()
         self.process = None
         self._gpu_state = None
+        self._gpu_lost = False
         self.tier = None
         self.checkpoint_bytes = 0
         self._set_state(KernelState.running)
         return True
 
     async def cleanup(self, restart: bool = False) -> None:
+        await self._abort_for_shutdown(restart)
+        self._discard_if_suspended()
         self._release_ports()
         if not restart:
             store = self.engine.store

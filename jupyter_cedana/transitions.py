@@ -20,6 +20,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from .errors import Conflict
+
 
 class KernelState(str, enum.Enum):
     running = "running"
@@ -71,6 +73,8 @@ class TransitionMachine:
         self._lock = asyncio.Lock()
         self._inflight: tuple[str, asyncio.Future[Any]] | None = None
         self._listeners: list[Listener] = []
+        self._aborted: str | None = None
+        self._owner: asyncio.Task[Any] | None = None
 
     def add_listener(self, listener: Listener) -> None:
         """Called with (provisioner, what) on every state or progress change."""
@@ -104,15 +108,28 @@ class TransitionMachine:
 
     async def _once(self, kind: str, work: Callable[[], Awaitable[Any]]) -> Any:
         """Run a transition under the kernel's lock; a concurrent request for the same
-        transition waits for the running one and gets its result."""
+        transition waits for the running one and gets its result. A shutdown or restart
+        may abort it (_abort_transition): its callers then get a Conflict."""
         if self._inflight is not None and self._inflight[0] == kind:
-            return await asyncio.shield(self._inflight[1])
+            try:
+                return await asyncio.shield(self._inflight[1])
+            except asyncio.CancelledError:
+                self._raise_if_aborted()
+                raise
         async with self._lock:
             fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
             self._inflight = (kind, fut)
+            self._owner = asyncio.current_task()
+            self._aborted = None
             try:
                 result = await work()
             except BaseException as e:
+                if isinstance(e, asyncio.CancelledError) and self._aborted is not None:
+                    fut.cancel()  # joiners are told by _raise_if_aborted
+                    uncancel = getattr(self._owner, "uncancel", None)
+                    if uncancel is not None:
+                        uncancel()  # the cancellation was ours, not the caller's
+                    self._raise_if_aborted()
                 fut.set_exception(e)
                 # Nobody else may be waiting: retrieve the exception so asyncio stays quiet.
                 fut.exception()
@@ -122,3 +139,25 @@ class TransitionMachine:
                 return result
             finally:
                 self._inflight = None
+                self._owner = None
+
+    def _raise_if_aborted(self) -> None:
+        if self._aborted is not None:
+            raise Conflict(self._aborted) from None
+
+    async def _abort_transition(self, why: str) -> None:
+        """Cancel the transition in flight, if any, and wait until it has rolled back
+        (a suspend leaves the kernel running, a resume leaves it suspended)."""
+        inflight, owner = self._inflight, self._owner
+        if inflight is None or owner is None or owner is asyncio.current_task():
+            return
+        self.log.info("Aborting %s of kernel %s: %s", inflight[0], self._kid(), why)
+        self._aborted = f"Kernel {self._kid()}: {inflight[0]} abandoned, {why}"
+        owner.cancel()
+        await asyncio.wait({inflight[1]})
+        # The lock is released as the owner unwinds: let that happen before going on.
+        async with self._lock:
+            pass
+
+    def _kid(self) -> str:
+        return str(getattr(self, "kernel_id", "?"))

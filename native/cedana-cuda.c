@@ -14,6 +14,12 @@
  *   - --serve: line-delimited JSON requests on stdin, one JSON response per line
  *     on stdout. cuInit is paid once for the life of the process instead of once
  *     per call (~2.7 s each with cuda-checkpoint).
+ *
+ * "thaw": a process that CRIU restored stays stopped until its GPU memory is back
+ * (code touching device mappings before that would crash). The driver restores
+ * through the process's own restore thread, so that one thread must run meanwhile:
+ * with "thaw":1 the helper ptrace-seizes it out of the group stop for the call and
+ * puts it back after, as CRIU's cuda plugin does for the threads it holds.
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
@@ -24,6 +30,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/ptrace.h>
+#include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -38,6 +46,7 @@ typedef int cc_result;
 /* Pseudo-results of this helper (outside the driver's range). */
 #define CC_HELPER_NO_LIBRARY -1
 #define CC_HELPER_NO_SYMBOL -2
+#define CC_HELPER_PTRACE -3
 
 enum cc_state {
 	CC_STATE_RUNNING = 0,
@@ -124,6 +133,8 @@ typedef cc_result (*fn_restore)(int, cc_restore_args *);
 typedef cc_result (*fn_unlock)(int, cc_unlock_args *);
 typedef cc_result (*fn_restore_tid)(int, int *);
 
+static char ptrace_error[256];
+
 static struct {
 	void *lib;
 	char lib_path[PATH_MAX];
@@ -200,6 +211,11 @@ static void describe(cc_result r, const char **name, const char **text)
 	if (r == CC_HELPER_NO_LIBRARY) {
 		*name = "LIBCUDA_NOT_FOUND";
 		*text = cu.load_error;
+		return;
+	}
+	if (r == CC_HELPER_PTRACE) {
+		*name = "PTRACE_FAILED";
+		*text = ptrace_error;
 		return;
 	}
 	if (r == CC_HELPER_NO_SYMBOL) {
@@ -369,6 +385,101 @@ static cc_result op_restore_tid(int pid, int *tid)
 	return cu.restore_tid(pid, tid);
 }
 
+/* ---- thaw: let a stopped process's restore thread run for one driver call ---- */
+
+struct thawed {
+	int tid;
+	int seized;
+};
+
+static char thread_state(int tid)
+{
+	char path[64], buf[512];
+	snprintf(path, sizeof(path), "/proc/%d/stat", tid);
+	FILE *f = fopen(path, "r");
+	if (!f)
+		return 0;
+	size_t n = fread(buf, 1, sizeof(buf) - 1, f);
+	fclose(f);
+	buf[n] = 0;
+	char *close = strrchr(buf, ')');
+	return close && close[1] == ' ' ? close[2] : 0;
+}
+
+static cc_result ptrace_fail(const char *what, int tid)
+{
+	snprintf(ptrace_error, sizeof(ptrace_error), "%s of thread %d: %s", what, tid,
+		 strerror(errno));
+	return CC_HELPER_PTRACE;
+}
+
+/* Wait for the next stop of a seized thread; returns the stopping signal or -1. */
+static int wait_stop(int tid)
+{
+	int status;
+	for (;;) {
+		if (waitpid(tid, &status, __WALL) < 0) {
+			if (errno == EINTR)
+				continue;
+			return -1;
+		}
+		if (WIFSTOPPED(status))
+			return WSTOPSIG(status);
+		if (WIFEXITED(status) || WIFSIGNALED(status)) {
+			errno = ESRCH;
+			return -1;
+		}
+	}
+}
+
+/* Seize the restore thread of `pid` and let it run, even if its process is in a group
+ * stop; the other threads stay stopped. */
+static cc_result thaw(int pid, struct thawed *t)
+{
+	memset(t, 0, sizeof(*t));
+	cc_result r = cuda_setup();
+	if (r != CC_SUCCESS)
+		return r;
+	if (!cu.restore_tid)
+		return CC_HELPER_NO_SYMBOL;
+	r = cu.restore_tid(pid, &t->tid);
+	if (r != CC_SUCCESS)
+		return r;
+	/* CRIU may not have detached from every thread yet: EPERM until it has. */
+	for (int i = 0; ptrace(PTRACE_SEIZE, t->tid, NULL, NULL) != 0; i++) {
+		if (errno != EPERM || i >= 500)
+			return ptrace_fail("PTRACE_SEIZE", t->tid);
+		struct timespec ts = {0, 10 * 1000 * 1000};
+		nanosleep(&ts, NULL);
+	}
+	t->seized = 1;
+	char st = thread_state(t->tid);
+	if (st == 'T' || st == 't') {
+		/* seizing a thread in group stop makes it trap: collect that, then continue */
+		if (wait_stop(t->tid) < 0)
+			return ptrace_fail("waiting for the trap", t->tid);
+		if (ptrace(PTRACE_CONT, t->tid, NULL, NULL) != 0)
+			return ptrace_fail("PTRACE_CONT", t->tid);
+	}
+	return CC_SUCCESS;
+}
+
+/* Stop the thread again and detach: it rejoins its process's group stop, if any. */
+static void refreeze(struct thawed *t)
+{
+	if (!t->seized)
+		return;
+	int sig = 0;
+	if (ptrace(PTRACE_INTERRUPT, t->tid, NULL, NULL) == 0) {
+		sig = wait_stop(t->tid);
+		/* a signal that arrived meanwhile is passed on, not swallowed */
+		if (sig == SIGTRAP || sig == SIGSTOP || sig < 0)
+			sig = 0;
+	}
+	ptrace(PTRACE_DETACH, t->tid, NULL, (void *)(long)sig);
+	t->seized = 0;
+}
+
 /* ---- --serve mode: a deliberately tiny JSON reader for flat requests ---- */
 
 /* Find "key": in a flat object and return a pointer to its value. */
@@ -490,9 +601,58 @@ static void serve_info(long long id)
 	printf(",\"pid\":%d}\n", (int)getpid());
 }
 
+#define CC_REPLIED -100 /* serve_op answered by itself (outside the driver's range) */
+
+/* Run one pid operation; returns its result, or CC_REPLIED when it has answered. */
+static cc_result serve_op(long long id, const char *line, const char *op, int pid)
+{
+	cc_result r;
+	if (strcmp(op, "get_state") == 0) {
+		int state = -1;
+		r = op_get_state(pid, &state);
+		if (r == CC_SUCCESS) {
+			printf("{\"id\":%lld,\"ok\":true,\"state\":\"%s\"}\n", id, state_name(state));
+			return CC_REPLIED;
+		}
+		return r;
+	}
+	if (strcmp(op, "lock") == 0) {
+		long long timeout = 0;
+		if (json_int(line, "timeout_ms", &timeout) || timeout < 0 || timeout > UINT_MAX)
+			timeout = 0;
+		return op_lock(pid, (unsigned)timeout);
+	}
+	if (strcmp(op, "checkpoint") == 0)
+		return op_checkpoint(pid);
+	if (strcmp(op, "restore") == 0) {
+		char map[MAX_PAIRS * 96];
+		cc_gpu_pair pairs[MAX_PAIRS];
+		unsigned npairs = 0;
+		if (json_str(line, "device_map", map, sizeof(map)) == 0 &&
+		    parse_device_map(map, pairs, &npairs)) {
+			reply_bad(id, "bad \"device_map\" (expected OLD=NEW,OLD=NEW with GPU UUIDs)");
+			return CC_REPLIED;
+		}
+		return op_restore(pid, pairs, npairs);
+	}
+	if (strcmp(op, "unlock") == 0)
+		return op_unlock(pid);
+	if (strcmp(op, "restore_tid") == 0) {
+		int tid = 0;
+		r = op_restore_tid(pid, &tid);
+		if (r == CC_SUCCESS) {
+			printf("{\"id\":%lld,\"ok\":true,\"tid\":%d}\n", id, tid);
+			return CC_REPLIED;
+		}
+		return r;
+	}
+	reply_bad(id, "unknown op");
+	return CC_REPLIED;
+}
+
 static void serve_one(const char *line)
 {
-	long long id = 0, pid = 0, timeout = 0;
+	long long id = 0, pid = 0, want_thaw = 0;
 	char op[32];
 	json_int(line, "id", &id);
 	if (json_str(line, "op", op, sizeof(op))) {
@@ -511,51 +671,24 @@ static void serve_one(const char *line)
 		reply_bad(id, "request needs a positive integer \"pid\"");
 		return;
 	}
-	double t0 = now_s();
-	cc_result r;
 	char context[64];
 	snprintf(context, sizeof(context), "%s pid %lld", op, pid);
-	if (strcmp(op, "get_state") == 0) {
-		int state = -1;
-		r = op_get_state((int)pid, &state);
-		if (r == CC_SUCCESS) {
-			printf("{\"id\":%lld,\"ok\":true,\"state\":\"%s\"}\n", id, state_name(state));
-			return;
-		}
-	} else if (strcmp(op, "lock") == 0) {
-		if (json_int(line, "timeout_ms", &timeout) || timeout < 0 || timeout > UINT_MAX)
-			timeout = 0;
-		r = op_lock((int)pid, (unsigned)timeout);
-	} else if (strcmp(op, "checkpoint") == 0) {
-		r = op_checkpoint((int)pid);
-	} else if (strcmp(op, "restore") == 0) {
-		char map[MAX_PAIRS * 96];
-		cc_gpu_pair pairs[MAX_PAIRS];
-		unsigned npairs = 0;
-		if (json_str(line, "device_map", map, sizeof(map)) == 0 &&
-		    parse_device_map(map, pairs, &npairs)) {
-			reply_bad(id, "bad \"device_map\" (expected OLD=NEW,OLD=NEW with GPU UUIDs)");
-			return;
-		}
-		r = op_restore((int)pid, pairs, npairs);
-	} else if (strcmp(op, "unlock") == 0) {
-		r = op_unlock((int)pid);
-	} else if (strcmp(op, "restore_tid") == 0) {
-		int tid = 0;
-		r = op_restore_tid((int)pid, &tid);
-		if (r == CC_SUCCESS) {
-			printf("{\"id\":%lld,\"ok\":true,\"tid\":%d}\n", id, tid);
-			return;
-		}
-	} else {
-		reply_bad(id, "unknown op");
+	json_int(line, "thaw", &want_thaw);
+	if (want_thaw && strcmp(op, "get_state") && strcmp(op, "restore") && strcmp(op, "unlock")) {
+		reply_bad(id, "\"thaw\" applies to get_state, restore and unlock");
 		return;
 	}
-	if (r != CC_SUCCESS) {
+	struct thawed th = {0, 0};
+	cc_result r = want_thaw ? thaw((int)pid, &th) : CC_SUCCESS;
+	double t0 = now_s();
+	if (r == CC_SUCCESS)
+		r = serve_op(id, line, op, (int)pid);
+	double t1 = now_s();
+	refreeze(&th);
+	if (r == CC_SUCCESS)
+		printf("{\"id\":%lld,\"ok\":true,\"elapsed_s\":%.6f}\n", id, t1 - t0);
+	else if (r != CC_REPLIED)
 		reply_error(id, r, context);
-		return;
-	}
-	printf("{\"id\":%lld,\"ok\":true,\"elapsed_s\":%.6f}\n", id, now_s() - t0);
 }
 
 static int serve(void)

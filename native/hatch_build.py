@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+import sysconfig
 from pathlib import Path
 from typing import Any
 
@@ -24,4 +25,7 @@ class NativeBuildHook(BuildHookInterface):
             ["make", "-C", str(root / "native"), "install", f"DESTDIR={dest}"], check=True
         )
         build_data["pure_python"] = False
-        build_data["infer_tag"] = True
+        # Executables, no extension module: any CPython 3 on this platform can use them
+        # (e.g. the GPU check's bundle, built here for another Python version).
+        platform = sysconfig.get_platform().replace("-", "_").replace(".", "_")
+        build_data["tag"] = f"py3-none-{platform}"

@@ -5,7 +5,6 @@
 set -euo pipefail
 MIN_MAJOR=4 MIN_MINOR=2
 PREFIX=${CRIU_PREFIX:-/usr/local}
-CACHE=${CEDANA_CACHE:-/var/cache/jupyter-cedana}
 
 say() { printf '[install-criu] %s\n' "$*"; }
 
@@ -31,32 +30,12 @@ if [ "$(id -u)" != 0 ]; then
   exit 1
 fi
 
-export DEBIAN_FRONTEND=noninteractive
-DEPS="build-essential pkg-config libprotobuf-dev libprotobuf-c-dev protobuf-c-compiler protobuf-compiler
-python3-protobuf libnl-3-dev libnet1-dev libcap-dev libbsd-dev libgnutls28-dev
-libnftables-dev uuid-dev xz-utils libcap2-bin iproute2"
+# shellcheck source=scripts/criu-source.sh
+. "$(dirname "$0")/criu-source.sh"
 say "installing build dependencies"
-apt-get update -qq
-# shellcheck disable=SC2086
-apt-get install -y -qq --no-install-recommends $DEPS >/dev/null
-
-mkdir -p "$CACHE"
-tarball=$(ls "$CACHE"/criu_4.*.orig.tar.* 2>/dev/null | sort -V | tail -n1 || true)
-if [ -z "$tarball" ]; then
-  say "fetching criu source from Debian unstable (deb-src only: installed packages are not upgraded)"
-  uri=$(grep -rhoE '^(URIs:|deb) +[^ ]*http[^ ]+debian/?' /etc/apt/sources.list /etc/apt/sources.list.d/ 2>/dev/null \
-        | head -n1 | awk '{print $NF}' || true)
-  uri=${uri:-http://deb.debian.org/debian}
-  srcdir=$(mktemp -d)
-  printf 'Types: deb-src\nURIs: %s\nSuites: sid\nComponents: main\nSigned-By: /usr/share/keyrings/debian-archive-keyring.gpg\n' \
-    "$uri" >/etc/apt/sources.list.d/cedana-criu-src.sources
-  apt-get update -qq
-  (cd "$srcdir" && apt-get source --download-only --tar-only criu/sid >/dev/null)
-  tarball=$(ls "$srcdir"/criu_*.orig.tar.* | head -n1)
-  cp "$tarball" "$CACHE/"
-  tarball="$CACHE/$(basename "$tarball")"
-  rm -rf "$srcdir"
-fi
+criu_build_deps
+say "fetching criu source (cached in $CACHE)"
+tarball=$(criu_tarball)
 
 say "building $(basename "$tarball")"
 build=$(mktemp -d)

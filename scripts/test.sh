@@ -24,3 +24,5 @@ jlpm lint:check
 jlpm test
 step "pytest"
 python -m pytest "$@"
+step "peer conformance: nbclient and jupyter_client kernel suites, cedana-provisioner vs stock"
+bash scripts/conformance.sh

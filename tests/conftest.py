@@ -77,6 +77,17 @@ def _fresh_engine() -> Any:
 
 
 @pytest.fixture
+def criu_hold(tmp_path: Path) -> Any:
+    """A criu wrapper that holds dump/restore mid-flight (tests/criu_hold.py); call
+    `criu_hold.attach(engine)` to route an engine through it."""
+    from tests.criu_hold import CriuHold
+
+    hold = CriuHold(tmp_path / "criu-hold")
+    yield hold
+    hold.disarm()
+
+
+@pytest.fixture
 async def kernel(engine_config: Config, tmp_path: Path) -> AsyncIterator[Any]:
     """A started python3 kernel under CedanaProvisioner, with a ready client."""
     KernelProvisionerFactory.instance().default_provisioner_name = "cedana-provisioner"

@@ -37,7 +37,10 @@ UUID2 = "GPU-0a0a0a0a-1111-2222-3333-444444444402"
 H100 = "NVIDIA H100 80GB HBM3"
 
 # CUresult codes the tests inject
+CUDA_ERROR_INVALID_VALUE = 1
 CUDA_ERROR_OUT_OF_MEMORY = 2
+CUDA_ERROR_NOT_INITIALIZED = 3
+CUDA_ERROR_OPERATING_SYSTEM = 304
 CUDA_ERROR_NOT_READY = 600
 CUDA_ERROR_NOT_SUPPORTED = 801
 CUDA_ERROR_UNKNOWN = 999
@@ -125,11 +128,12 @@ class FakeGpu:
         ]
 
     def ops(self, pid: int | None = None) -> list[str]:
-        """Logged checkpoint-API operations (without get_state), e.g. ['lock', 'checkpoint']."""
+        """Logged checkpoint-API operations (without the queries get_state and
+        restore_tid), e.g. ['lock', 'checkpoint']."""
         out = []
         for c in self.calls():
             op, rest = c.split(" ", 1)
-            if op == "get_state" or (pid is not None and f"pid={pid} " not in rest + " "):
+            if op in QUERIES or (pid is not None and f"pid={pid} " not in rest + " "):
                 continue
             out.append(op if " rc=0" in rest else f"{op}!")
         return out
@@ -151,7 +155,7 @@ class FakeGpu:
             f.write(f"test {text}\n")
 
     def timeline(self) -> list[str]:
-        """Checkpoint-API operations (as in ops(), without get_state) and test marks, in
+        """Checkpoint-API operations (as in ops(), without queries) and test marks, in
         the order they happened."""
         if not self.log_path.exists():
             return []
@@ -162,9 +166,12 @@ class FakeGpu:
                 out.append(rest)
             elif kind == "cuda":
                 op, _, args = rest.partition(" ")
-                if op not in ("init", "get_state"):
+                if op != "init" and op not in QUERIES:
                     out.append(op if " rc=0" in f" {args}" else f"{op}!")
         return out
+
+
+QUERIES = ("get_state", "restore_tid")
 
 
 def _line(kind: str, kv: dict[str, Any]) -> str:

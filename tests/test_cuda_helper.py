@@ -12,13 +12,21 @@ from typing import Any
 
 import pytest
 
-from jupyter_cedana.cuda import CudaCheckpointer, OffloadResult
-from jupyter_cedana.errors import GpuError, InsufficientGpuMemory, NotCheckpointable
+from jupyter_cedana.cuda import CudaCheckpointer, CudaStateLeft, OffloadResult
+from jupyter_cedana.errors import (
+    GpuError,
+    InsufficientGpuMemory,
+    InsufficientHostMemory,
+    NotCheckpointable,
+)
 from jupyter_cedana.gpu import GpuMonitor
 
 from .conftest_gpu import (
+    CUDA_ERROR_INVALID_VALUE,
+    CUDA_ERROR_NOT_INITIALIZED,
     CUDA_ERROR_NOT_READY,
     CUDA_ERROR_NOT_SUPPORTED,
+    CUDA_ERROR_OPERATING_SYSTEM,
     CUDA_ERROR_UNKNOWN,
     FAKE_LIBCUDA,
     FAKE_OLD_LIBCUDA,
@@ -86,8 +94,10 @@ def test_cli_toggle_and_device_map(fake_gpu: FakeGpu, spawn):
 
 
 def test_cli_errors(fake_gpu: FakeGpu, spawn):
-    p = spawn()  # not a CUDA process
+    p = spawn()  # not a CUDA process: the fake answers CUDA_ERROR_NOT_SUPPORTED by default
     r = cli("--get-state", "--pid", str(p.pid))
+    assert r.returncode == 1 and "CUDA_ERROR_NOT_SUPPORTED" in r.stderr
+    r = cli("--get-state", "--pid", str(2**22 + 3))  # no such process
     assert r.returncode == 1 and "CUDA_ERROR_INVALID_VALUE" in r.stderr
     r = cli("--get-state", "--pid", str(p.pid), lib=Path("/nonexistent/libcuda.so.1"))
     assert r.returncode == 1 and "LIBCUDA_NOT_FOUND" in r.stderr
@@ -139,10 +149,22 @@ def test_serve_protocol(fake_gpu: FakeGpu, spawn):
 # ---- CudaCheckpointer ----
 
 
+def roomy_host(tmp_path: Path) -> dict[str, str]:
+    """Host memory sources with room for the fake GPUs' gigabytes (this machine's real
+    MemAvailable is smaller than an H100): a meminfo and a cgroup tree without limits."""
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text(f"MemTotal: {2 << 30} kB\nMemAvailable: {2 << 30} kB\n")
+    (tmp_path / "cgroup").mkdir()
+    return {"meminfo_path": str(meminfo), "cgroup_root": str(tmp_path / "cgroup")}
+
+
 @pytest.fixture
-async def ckpt(fake_gpu: FakeGpu) -> AsyncIterator[CudaCheckpointer]:
+async def ckpt(fake_gpu: FakeGpu, tmp_path: Path) -> AsyncIterator[CudaCheckpointer]:
     c = CudaCheckpointer(
-        helper_path=str(HELPER), libcuda_path=str(FAKE_LIBCUDA), monitor=GpuMonitor()
+        helper_path=str(HELPER),
+        libcuda_path=str(FAKE_LIBCUDA),
+        monitor=GpuMonitor(),
+        **roomy_host(tmp_path),
     )
     await c.start()
     yield c
@@ -158,7 +180,7 @@ async def test_start_reports_capabilities(ckpt: CudaCheckpointer, fake_gpu: Fake
     await nolib.start()
     assert not nolib.available and (nolib.reason or "").startswith("no NVIDIA driver")
     with pytest.raises(GpuError):
-        await nolib.lock(1)
+        await nolib.lock(1, 100)
     await nolib.stop()
     old = CudaCheckpointer(helper_path=str(HELPER), libcuda_path=str(FAKE_OLD_LIBCUDA))
     await old.start()
@@ -390,3 +412,231 @@ async def test_driver_out_of_memory_on_restore(ckpt: CudaCheckpointer, fake_gpu,
     with pytest.raises(InsufficientGpuMemory, match="during restore"):
         await ckpt.restore(result, admission=False)
     assert fake_gpu.proc(p.pid)["state"] == "checkpointed"
+
+
+# ---- processes that never used CUDA ----
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        CUDA_ERROR_NOT_SUPPORTED,
+        CUDA_ERROR_INVALID_VALUE,
+        CUDA_ERROR_NOT_INITIALIZED,
+        CUDA_ERROR_OPERATING_SYSTEM,
+    ],
+)
+async def test_cpu_only_process_whatever_the_driver_answers(
+    ckpt: CudaCheckpointer, fake_gpu: FakeGpu, spawn, answer: int
+):
+    """The header leaves open which error a process without CUDA gets: none of the
+    candidates may make the suspend of a CPU-only kernel fail."""
+    fake_gpu.update("driver", {}, noncuda=answer)
+    k = spawn("bash", "-c", "sleep 600 & wait")
+    tree = wait_tree(k.pid, 2)
+    result = await ckpt.offload(tree)
+    assert not result
+    assert [c.split()[0] for c in fake_gpu.calls()] == ["get_state", "get_state"]
+    assert all(f" rc={answer} " in c for c in fake_gpu.calls())
+    assert fake_gpu.ops() == []
+
+
+async def test_unreadable_answer_for_a_process_holding_a_gpu(
+    fake_gpu: FakeGpu, spawn, tmp_path: Path
+):
+    # (no host memory needed: nothing gets as far as the offload)
+    """An error that does not say "no CUDA" is only ignored for a process that holds no
+    NVIDIA device: one that does may be a CUDA process, and the suspend stops."""
+    fake_gpu.update("driver", {}, noncuda=CUDA_ERROR_OPERATING_SYSTEM)
+    dev = tmp_path / "dev"
+    dev.mkdir()
+    (dev / "nvidia0").write_text("")
+    with open(dev / "nvidia0") as gpu0:
+        holder = spawn(stdin=gpu0)
+    c = CudaCheckpointer(
+        helper_path=str(HELPER),
+        libcuda_path=str(FAKE_LIBCUDA),
+        monitor=GpuMonitor(device_path_prefix=str(dev / "nvidia")),
+    )
+    try:
+        with pytest.raises(GpuError, match=r"Cannot tell the CUDA state.*OPERATING_SYSTEM"):
+            await c.offload({holder.pid})
+    finally:
+        await c.stop()
+
+
+async def test_gpu_memory_without_cuda_state_is_refused(
+    ckpt: CudaCheckpointer, fake_gpu: FakeGpu, spawn
+):
+    """NVML sees the process holding GPU memory, the driver has no CUDA state for it:
+    dumping it would lose that memory."""
+    p = spawn()
+    fake_gpu.add("proc", pid=2**22 + 5, nvml_pid=p.pid, dev=0, mem=GiB)
+    with pytest.raises(NotCheckpointable, match=r"no checkpointable CUDA state.*NOT_SUPPORTED"):
+        await ckpt.offload({p.pid})
+    assert fake_gpu.ops() == []
+
+
+# ---- failures that cannot be rolled back ----
+
+
+async def test_driver_failed_state_is_reported_lost(
+    ckpt: CudaCheckpointer, fake_gpu: FakeGpu, spawn
+):
+    """The driver's FAILED state: the rollback cannot put the process back running."""
+    p = spawn()
+    fake_gpu.add("proc", pid=p.pid, dev=0, mem=GiB)
+    fake_gpu.add("error", op="checkpoint", pid=p.pid, code=CUDA_ERROR_UNKNOWN, fail_state="failed")
+    with pytest.raises(CudaStateLeft, match=r"CUDA state is lost.*is failed") as info:
+        await ckpt.offload({p.pid})
+    assert info.value.kept is None
+    assert "put back to running" not in info.value.message
+    assert fake_gpu.proc(p.pid)["state"] == "failed"
+    assert fake_gpu.ops() == ["lock", "checkpoint!"]  # nothing to restore from FAILED
+
+
+async def test_rollback_refused_when_the_memory_went(
+    ckpt: CudaCheckpointer, fake_gpu: FakeGpu, spawn
+):
+    """The checkpoint failed after freeing the GPU and someone took the memory: no
+    restore is tried (it would wedge the process); the GPU memory stays in host memory."""
+    p, hog = spawn(), spawn()
+    fake_gpu.add("proc", pid=p.pid, dev=0, mem=30 * GiB)
+    fake_gpu.add("proc", pid=hog.pid, dev=0, mem=50 * GiB)
+    fake_gpu.add(
+        "error", op="checkpoint", pid=p.pid, code=CUDA_ERROR_UNKNOWN, fail_state="checkpointed"
+    )
+    with pytest.raises(CudaStateLeft, match=r"stays in host memory.*Not enough free GPU") as info:
+        await ckpt.offload({p.pid})
+    assert info.value.kept is not None and info.value.kept["pids"] == [p.pid]
+    assert fake_gpu.ops() == ["lock", "checkpoint!"]
+    assert fake_gpu.proc(p.pid)["state"] == "checkpointed"
+    fake_gpu.update("proc", {"pid": hog.pid}, mem=10 * GiB)
+    await ckpt.restore(info.value.kept)
+    assert fake_gpu.proc(p.pid)["state"] == "running"
+
+
+async def test_restore_of_a_locked_process_unlocks_it(
+    ckpt: CudaCheckpointer, fake_gpu: FakeGpu, spawn
+):
+    p = spawn()
+    fake_gpu.add("proc", pid=p.pid, dev=0, mem=GiB)
+    result = await ckpt.offload({p.pid})
+    fake_gpu.add("error", op="unlock", pid=p.pid, code=CUDA_ERROR_UNKNOWN, times=1)
+    with pytest.raises(GpuError):
+        await ckpt.restore(result)
+    # restored, then put back into CHECKPOINTED, as before the call
+    assert fake_gpu.ops() == ["lock", "checkpoint", "restore", "unlock!", "checkpoint"]
+    fake_gpu.update("proc", {"pid": p.pid}, state="locked")  # e.g. an earlier half restore
+    fake_gpu.clear_log()
+    await ckpt.restore(result)
+    assert fake_gpu.ops() == ["unlock"]
+    assert fake_gpu.proc(p.pid)["state"] == "running"
+
+
+# ---- host memory ----
+
+
+def fake_cgroup(root: Path, limit: int, current: int) -> Path:
+    """A directory laid out like a cgroup v2 hierarchy, for the root cgroup of this
+    machine's processes (here their v2 path is "/")."""
+    root.mkdir(exist_ok=True)
+    (root / "memory.max").write_text(f"{limit}\n")
+    (root / "memory.current").write_text(f"{current}\n")
+    return root
+
+
+async def test_offload_refused_when_host_memory_is_short(
+    ckpt: CudaCheckpointer, fake_gpu: FakeGpu, spawn, tmp_path: Path
+):
+    p = spawn()
+    v2 = Path(f"/proc/{p.pid}/cgroup").read_text().split("0::", 1)[1].splitlines()[0]
+    cg = fake_cgroup(tmp_path / "cg" / v2.strip("/"), 40 * GiB, 30 * GiB)
+    fake_gpu.add("proc", pid=p.pid, dev=0, mem=12 * GiB)
+    ckpt.cgroup_root = str(tmp_path / "cg")
+    with pytest.raises(InsufficientHostMemory) as info:
+        await ckpt.offload({p.pid})
+    assert "needs 13.00 GiB of host memory" in info.value.message
+    assert "only 10.00 GiB is free (cgroup /" in info.value.message
+    assert "memory.max 40.00 GiB, 30.00 GiB in use" in info.value.message
+    assert fake_gpu.ops() == []  # nothing touched: the kernel keeps running
+    assert fake_gpu.proc(p.pid)["state"] == "running"
+    # the machine's MemAvailable counts too
+    (cg / "memory.max").write_text("max\n")
+    Path(ckpt.meminfo_path).write_text(f"MemAvailable: {12 << 20} kB\n")
+    with pytest.raises(InsufficientHostMemory, match=r"12\.00 GiB is free \(MemAvailable"):
+        await ckpt.offload({p.pid})
+    ckpt.host_memory_headroom_bytes = 0
+    assert await ckpt.offload({p.pid})
+
+
+# ---- restore into a stopped process ----
+
+RESTORE_THREAD = r"""
+import ctypes, signal, threading, time
+libc = ctypes.CDLL(None)
+def restore_thread():
+    libc.prctl(15, b"cuda00001f00")  # PR_SET_NAME: the driver names its thread cuda<hex>
+    threading.Event().wait()
+threading.Thread(target=restore_thread, daemon=True).start()
+time.sleep(0.2)
+print("ready", flush=True)
+signal.pause()
+"""
+
+
+def thread_states(pid: int) -> dict[str, str]:
+    out = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        comm = (task / "comm").read_text().strip()
+        out[comm] = (task / "stat").read_text().rsplit(")", 1)[1].split()[0]
+    return out
+
+
+async def test_restore_frozen_runs_only_the_restore_thread(
+    ckpt: CudaCheckpointer, fake_gpu: FakeGpu, spawn
+):
+    import signal
+    import sys
+
+    p = spawn(sys.executable, "-c", RESTORE_THREAD, stdout=subprocess.PIPE)
+    assert p.stdout is not None and p.stdout.readline() == b"ready\n"
+    fake_gpu.add("proc", pid=p.pid, dev=0, mem=GiB)
+    result = await ckpt.offload({p.pid})
+    os.kill(p.pid, signal.SIGSTOP)  # as a CRIU restore with --leave-stopped leaves it
+    assert wait_for_states(p.pid, "T")
+    fake_gpu.clear_log()
+    await ckpt.restore(result, {p.pid}, frozen=True)
+    (restore,) = [c for c in fake_gpu.calls() if c.startswith("restore ")]
+    assert " rc=0 " in restore and " frozen=1" in restore
+    assert fake_gpu.proc(p.pid)["state"] == "running"
+    # the whole process is stopped again, the restore thread too
+    assert set(thread_states(p.pid).values()) == {"T"}
+    os.kill(p.pid, signal.SIGCONT)
+
+
+async def test_restore_of_a_stopped_process_needs_its_restore_thread(
+    ckpt: CudaCheckpointer, fake_gpu: FakeGpu, spawn
+):
+    """Without the thaw, the driver cannot restore a stopped process (the fake gives up
+    after 5 s where the real driver would wait)."""
+    import signal
+    import sys
+
+    p = spawn(sys.executable, "-c", RESTORE_THREAD, stdout=subprocess.PIPE)
+    assert p.stdout is not None and p.stdout.readline() == b"ready\n"
+    fake_gpu.add("proc", pid=p.pid, dev=0, mem=GiB)
+    result = await ckpt.offload({p.pid})
+    os.kill(p.pid, signal.SIGSTOP)
+    assert wait_for_states(p.pid, "T")
+    with pytest.raises(GpuError, match="OPERATING_SYSTEM"):
+        await ckpt.restore(result, {p.pid}, frozen=False)
+    assert "restore_thread_stopped" in next(c for c in fake_gpu.calls() if c.startswith("restore"))
+    assert fake_gpu.proc(p.pid)["state"] == "checkpointed"
+    os.kill(p.pid, signal.SIGCONT)
+
+
+def wait_for_states(pid: int, letter: str) -> bool:
+    from .conftest_gpu import wait_for
+
+    return bool(wait_for(lambda: set(thread_states(pid).values()) == {letter}))

@@ -27,6 +27,7 @@ from jupyter_cedana.errors import (
     Conflict,
     GpuError,
     InsufficientGpuMemory,
+    InsufficientHostMemory,
     NotCheckpointable,
     SuspendFailed,
 )
@@ -37,7 +38,10 @@ from jupyter_cedana.provisioner import KernelState
 from tests.conftest import run, wait_iopub
 
 from .conftest_gpu import (
+    CUDA_ERROR_INVALID_VALUE,
     CUDA_ERROR_NOT_READY,
+    CUDA_ERROR_NOT_SUPPORTED,
+    CUDA_ERROR_OPERATING_SYSTEM,
     CUDA_ERROR_UNKNOWN,
     FAKE_LIBCUDA,
     FAKE_OLD_LIBCUDA,
@@ -84,6 +88,8 @@ def engine_config(
     c.CudaCheckpointer.helper_path = str(HELPER)
     c.CudaCheckpointer.libcuda_path = str(libcuda)
     c.CudaCheckpointer.lock_timeout_ms = 500
+    # the fake GPU memory must fit in this machine's host memory, without more headroom
+    c.CudaCheckpointer.host_memory_headroom_bytes = 0
     return c
 
 
@@ -138,10 +144,29 @@ def kernel_process(km: Any) -> int:
     return kids[0]
 
 
+# What the CUDA driver starts in every CUDA process: a thread named cuda<hex> through
+# which it restores the process's GPU memory (see tests/fakes/fakegpu_state.h).
+RESTORE_THREAD = (
+    "import ctypes, threading\n"
+    "def _cuda_restore_thread():\n"
+    "    ctypes.CDLL(None).prctl(15, b'cuda00001f00')\n"
+    "    threading.Event().wait()\n"
+    "threading.Thread(target=_cuda_restore_thread, daemon=True).start()\n"
+)
+
+
 @pytest.fixture
-def gpu_kernel(kernel: Any, fake_gpu: FakeGpu) -> Any:
+async def gpu_kernel(kernel: Any, fake_gpu: FakeGpu) -> Any:
     """A kernel whose python process holds 2 GiB on GPU 0 of the fake."""
+    reply, out = await run(kernel.test_client, RESTORE_THREAD)
+    assert reply["status"] == "ok", out
     pid = kernel_process(kernel)
+    assert wait_for(
+        lambda: any(
+            (t / "comm").read_text().strip() == "cuda00001f00"
+            for t in Path(f"/proc/{pid}/task").iterdir()
+        )
+    )
     assert f"CEDANA_FAKE_GPU_ID={GPU_ID}".encode() in Path(f"/proc/{pid}/environ").read_bytes()
     fake_gpu.add("proc", pid=pid, dev=0, mem=KERNEL_GPU_MEM, id=GPU_ID, nspid=nspid(pid))
     fake_gpu.clear_log()
@@ -262,7 +287,11 @@ async def test_disk_tier_with_gpu(gpu_kernel: Any, spy: FakeGpu, checkpoint_root
     assert nspid(new_pid) == nspid(prov.pid) + 1 == 2  # same inner pid, new namespace
     rec = spy.proc_by_id(GPU_ID)
     assert (rec["pid"], rec["state"], rec["dev"]) == (str(new_pid), "running", "0")
-    assert f"restore pid={new_pid} rc=0" in "\n".join(spy.calls())
+    # the GPU memory went back while the restored kernel was still stopped (all its
+    # threads but the driver's restore thread), as CRIU's cuda plugin does it: nothing
+    # of the kernel ran before its device memory was back
+    (restore,) = [c for c in spy.calls() if c.startswith("restore ")]
+    assert restore.startswith(f"restore pid={new_pid} rc=0 by=cedana-cuda frozen=1")
     # the GPU memory is back, attributed to the restored kernel
     assert gpu_free(spy) == 80 * GiB - KERNEL_GPU_MEM
     use = kernel_gpu_use(km)
@@ -510,6 +539,18 @@ async def test_checkpoint_error_after_lock_unlocks(
     await assert_refused_and_running(km, spy, checkpoint_root, pids)
 
 
+async def make_criu_refuse(km: Any) -> None:
+    """The kernel holds a deleted file bigger than the ghost limit: CRIU refuses to dump it
+    (and x = 41)."""
+    km.provisioner.engine.ghost_limit = 1 << 20
+    reply, out = await run(
+        km.test_client,
+        "import os, tempfile; g = tempfile.NamedTemporaryFile(dir='.', delete=False); "
+        "g.write(b'x' * (2 << 20)); g.flush(); os.unlink(g.name); x = 41",
+    )
+    assert reply["status"] == "ok", out
+
+
 async def test_dump_failure_after_gpu_checkpoint_restores_gpu(
     gpu_kernel: Any, spy: FakeGpu, checkpoint_root: Path
 ) -> None:
@@ -517,13 +558,7 @@ async def test_dump_failure_after_gpu_checkpoint_restores_gpu(
     kernel runs on (a deleted open file over the ghost limit makes CRIU refuse)."""
     km = gpu_kernel
     prov = km.provisioner
-    prov.engine.ghost_limit = 1 << 20
-    reply, out = await run(
-        km.test_client,
-        "import os, tempfile; g = tempfile.NamedTemporaryFile(dir='.', delete=False); "
-        "g.write(b'x' * (2 << 20)); g.flush(); os.unlink(g.name); x = 41",
-    )
-    assert reply["status"] == "ok", out
+    await make_criu_refuse(km)
     pids = process_tree(prov.pid)
     with pytest.raises(SuspendFailed, match="CRIU dump failed"):
         await prov.suspend(tier="disk")
@@ -570,8 +605,15 @@ async def test_gpu_restore_failure_keeps_image_and_retry_works(
 # ---- CPU kernels, no GPU ----------------------------------------------------------------
 
 
-async def test_cpu_kernel_next_to_a_gpu(kernel: Any, spy: FakeGpu, checkpoint_root: Path) -> None:
-    """A kernel that holds no GPU memory on a machine with a (fake) GPU."""
+@pytest.mark.parametrize(
+    "answer", [CUDA_ERROR_NOT_SUPPORTED, CUDA_ERROR_INVALID_VALUE, CUDA_ERROR_OPERATING_SYSTEM]
+)
+async def test_cpu_kernel_next_to_a_gpu(
+    kernel: Any, spy: FakeGpu, checkpoint_root: Path, answer: int
+) -> None:
+    """A kernel that holds no GPU memory on a machine with a (fake) GPU, whichever error
+    the driver gives for processes without CUDA (the header leaves it open)."""
+    spy.update("driver", {}, noncuda=answer)
     prov = kernel.provisioner
     await run(kernel.test_client, "x = 41")
     pids = process_tree(prov.pid)
@@ -586,6 +628,7 @@ async def test_cpu_kernel_next_to_a_gpu(kernel: Any, spy: FakeGpu, checkpoint_ro
     assert manifest["gpu"] is None
     await prov.resume()
     assert [t for t in spy.timeline() if not t.startswith("criu")] == []
+    assert any(f"rc={answer} " in c for c in spy.calls())  # the driver was asked
     await assert_kernel_answers(kernel, "print(x + 1)", "42")
 
 
@@ -639,7 +682,7 @@ def test_fake_identity_is_not_a_stale_pid(fake_gpu: FakeGpu) -> None:
             capture_output=True,
             text=True,
         )
-        assert r.returncode != 0 and "CUDA_ERROR_INVALID_VALUE" in r.stderr
+        assert r.returncode != 0 and "CUDA_ERROR_NOT_SUPPORTED" in r.stderr  # no CUDA here
     finally:
         os.kill(other.pid, signal.SIGKILL)
         other.wait()
@@ -688,3 +731,155 @@ async def test_offloaded_kernel_that_dies_is_reported_dead(gpu_kernel: Any) -> N
     assert await prov.poll() is not None
     assert prov.state == KernelState.running and prov.tier is None
     assert "exited" in (prov.reason or "")
+
+
+# ---- failures the rollback cannot undo --------------------------------------------------
+
+
+@pytest.fixture
+def full_disk(tmp_path: Path):
+    """A checkpoint disk with no room for one more file (a tmpfs out of inodes)."""
+    import subprocess
+
+    mnt = tmp_path / "full"
+    mnt.mkdir()
+    opts = "size=8m,nr_inodes=16"
+    subprocess.run(["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(mnt)], check=True)
+    try:
+        (mnt / "root").mkdir(mode=0o700)
+        i = 0
+        while True:
+            try:
+                (mnt / f"filler{i}").touch()
+            except OSError:
+                break
+            i += 1
+        yield mnt / "root"
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+async def test_disk_full_before_the_dump_puts_the_gpu_back(
+    gpu_kernel: Any, spy: FakeGpu, full_disk: Path
+) -> None:
+    """The GPU memory was offloaded, then the image cannot even be started on the disk:
+    the offload is undone and the kernel runs on, its GPU memory back."""
+    km = gpu_kernel
+    prov = km.provisioner
+    await run(km.test_client, "x = 41")
+    pids = process_tree(prov.pid)
+    prov.engine.checkpoint_root = str(full_disk)
+    with pytest.raises(SuspendFailed, match="No space left"):
+        await prov.suspend(tier="disk")
+    assert spy.timeline() == ["lock", "checkpoint", "restore", "unlock"]  # no CRIU dump
+    assert prov.state == KernelState.running and "No space left" in (prov.reason or "")
+    assert gpu_free(spy) == 80 * GiB - KERNEL_GPU_MEM
+    assert process_tree(prov.pid) == pids
+    assert spy.proc_by_id(GPU_ID)["state"] == "running"
+    await assert_kernel_answers(km, "print(x + 1)", "42")
+
+
+async def test_gpu_memory_taken_during_a_failed_dump(
+    gpu_kernel: Any, spy: FakeGpu, checkpoint_root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """CRIU refuses, and meanwhile another process took the freed GPU memory: the GPU
+    memory cannot go back. The kernel is `failed`, never `running`, with its GPU memory
+    kept in host memory; once the GPU has room a resume brings it back."""
+    km = gpu_kernel
+    prov = km.provisioner
+    await make_criu_refuse(km)
+    dump = CheckpointEngine.dump
+
+    async def dump_while_the_gpu_fills(self: Any, *a: Any, **kw: Any) -> Any:
+        spy.update("device", {"index": 0}, reserved=79 * GiB)  # another tenant
+        return await dump(self, *a, **kw)
+
+    monkeypatch.setattr(CheckpointEngine, "dump", dump_while_the_gpu_fills)
+    with pytest.raises(SuspendFailed, match=r"CRIU dump failed.*stays in host memory"):
+        await prov.suspend(tier="disk")
+    assert prov.state == KernelState.failed and prov.tier == "offload"
+    assert "Not enough free GPU memory" in (prov.reason or "")
+    # no restore was tried: one that runs out of memory can wedge the process for good
+    assert spy.timeline() == ["lock", "checkpoint", "criu-dump gpu=checkpointed"]
+    assert spy.proc_by_id(GPU_ID)["state"] == "checkpointed"
+    assert alive(km.gpu_pid) and await prov.poll() is None and await km.is_alive()
+    assert images(checkpoint_root) == []
+    with pytest.raises(Conflict, match="resume it first"):
+        await prov.suspend(tier="disk")
+
+    spy.update("device", {"index": 0}, reserved=0)
+    result = await prov.resume()
+    assert result["state"] == "running" and prov.reason is None and prov.tier is None
+    assert spy.proc_by_id(GPU_ID)["state"] == "running"
+    assert gpu_free(spy) == 80 * GiB - KERNEL_GPU_MEM
+    await assert_kernel_answers(km, "print(x + 1)", "42")
+
+
+@pytest.mark.parametrize("tier", ["offload", "disk"])
+async def test_cuda_state_lost_is_failed_not_running(
+    gpu_kernel: Any, fake_gpu: FakeGpu, checkpoint_root: Path, tier: str
+) -> None:
+    """The driver ends in its FAILED state: the kernel's CUDA state is lost and the
+    rollback cannot help. The kernel is `failed` with the reason (never `running`),
+    cannot be resumed, and goes away cleanly when shut down."""
+    km = gpu_kernel
+    prov = km.provisioner
+    pids = process_tree(prov.pid)
+    fake_gpu.add("error", op="checkpoint", pid=0, code=CUDA_ERROR_UNKNOWN, fail_state="failed")
+    with pytest.raises(GpuError, match="CUDA state is lost"):
+        await prov.suspend(tier=tier)
+    assert prov.state == KernelState.failed and prov.tier is None
+    assert "CUDA state is lost" in (prov.reason or "") and "is failed" in (prov.reason or "")
+    assert fake_gpu.proc_by_id(GPU_ID)["state"] == "failed"
+    assert images(checkpoint_root) == []
+    assert await prov.poll() is None and all(alive(p) for p in pids)  # the process lives
+    with pytest.raises(Conflict, match="restart it"):
+        await prov.resume()
+    assert prov.state == KernelState.failed
+    await km.shutdown_kernel(now=True)
+    assert wait_for(lambda: not any(alive(p) for p in pids), timeout=10)
+
+
+async def test_offload_refused_without_host_memory(
+    gpu_kernel: Any, fake_gpu: FakeGpu, tmp_path: Path
+) -> None:
+    """The kernel's cgroup has no room for its GPU memory in host memory: refused with
+    the reason before anything is touched, instead of inviting the OOM killer."""
+    km = gpu_kernel
+    prov = km.provisioner
+    pid = km.gpu_pid
+    rel = Path(f"/proc/{pid}/cgroup").read_text().split("0::", 1)[1].splitlines()[0].strip("/")
+    cg = tmp_path / "cgroup" / rel
+    cg.mkdir(parents=True, exist_ok=True)
+    (cg / "memory.max").write_text(f"{3 * GiB}\n")
+    (cg / "memory.current").write_text(f"{2 * GiB}\n")
+    gpu = await prov.engine.cuda_checkpointer()
+    gpu.cgroup_root = str(tmp_path / "cgroup")
+    for tier in ("offload", "disk"):
+        with pytest.raises(InsufficientHostMemory, match=r"needs 2\.00 GiB.*only 1\.00 GiB"):
+            await prov.suspend(tier=tier)
+        assert prov.state == KernelState.running and "host memory" in (prov.reason or "")
+    assert fake_gpu.timeline() == []
+    (cg / "memory.max").write_text(f"{8 * GiB}\n")
+    await prov.suspend(tier="offload")
+    await prov.resume()
+    await assert_kernel_answers(km, "print('fits')", "fits")
+
+
+async def test_gpu_restore_after_continue_when_configured(
+    gpu_kernel: Any, spy: FakeGpu, checkpoint_root: Path
+) -> None:
+    """CudaCheckpointer.restore_frozen off (for a driver on which the thaw fails): the GPU
+    memory goes back right after the restored kernel was continued."""
+    km = gpu_kernel
+    prov = km.provisioner
+    await run(km.test_client, "x = 41")
+    await prov.suspend(tier="disk")
+    gpu = await prov.engine.cuda_checkpointer()
+    gpu.restore_frozen = False
+    spy.clear_log()
+    await prov.resume()
+    (restore,) = [c for c in spy.calls() if c.startswith("restore ")]
+    assert " rc=0 by=cedana-cuda frozen=0" in restore
+    assert spy.proc_by_id(GPU_ID)["state"] == "running"
+    await assert_kernel_answers(km, "print(x + 1)", "42")

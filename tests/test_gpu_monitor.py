@@ -251,11 +251,17 @@ def test_container_match_by_nspid(fake_gpu, spawn):
     assert use.matched_by == "nspid" and use.pids == [inner] and use.memory_bytes == 4 * GiB
 
 
-def test_container_match_by_device_files(fake_gpu, spawn, tmp_path: Path):
+def fake_dev(tmp_path: Path) -> Path:
     dev = tmp_path / "dev"
-    dev.mkdir()
-    for name in ("nvidia0", "nvidiactl", "nvidia-uvm"):
+    dev.mkdir(exist_ok=True)
+    for name in ("nvidia0", "nvidia1", "nvidiactl", "nvidia-uvm"):
         (dev / name).write_text("")
+    return dev
+
+
+def test_container_match_by_device_files(fake_gpu, spawn, tmp_path: Path):
+    two_gpus(fake_gpu)
+    dev = fake_dev(tmp_path)
     prefix = str(dev / "nvidia")
     with open(dev / "nvidia0") as gpu0, open(dev / "nvidiactl") as ctl:
         holder = spawn(stdin=gpu0, stdout=ctl)
@@ -266,14 +272,82 @@ def test_container_match_by_device_files(fake_gpu, spawn, tmp_path: Path):
     m = GpuMonitor(device_path_prefix=prefix)
     out = m.sample({"k": {holder.pid}, "cpu": {ctl_only.pid}})
     (use,) = out["k"]
-    assert use.matched_by == "devfile" and use.memory_bytes == 6 * GiB and use.pids == [holder.pid]
+    # one NVML process of GPU 0 unexplained, one process of the kernels holding GPU 0
+    assert use.matched_by == "learned" and use.memory_bytes == 6 * GiB and use.pids == [holder.pid]
     assert out["cpu"] == []
-    # two kernels holding the same GPU: both known to use it, memory unknown
+    # two NVML processes of a GPU that one kernel holds: both are that kernel's
+    fake_gpu.add("proc", pid=999998, nvml_pid=999998, dev=1, mem=GiB)
+    fake_gpu.add("proc", pid=999997, nvml_pid=999997, dev=1, mem=GiB)
+    with open(dev / "nvidia1") as gpu1:
+        two = spawn("bash", "-c", "sleep 600 & wait", stdin=gpu1)
+    tree = wait_tree(two.pid, 2)
+    (use,) = m.sample({"k2": tree})["k2"]
+    assert use.matched_by == "devfile" and use.memory_bytes == 2 * GiB and use.index == 1
+
+
+def test_foreign_pids_attributed_by_elimination(fake_gpu, spawn, tmp_path: Path):
+    """The server in a container: NVML names processes by PIDs of the host's namespace,
+    which mean nothing here. Two kernels share GPU 0; the one started first is learned
+    while it is alone, the second by elimination; memory and utilisation samples (which
+    carry the same foreign PIDs) go to the right kernel."""
+    dev = fake_dev(tmp_path)
+    m = GpuMonitor(device_path_prefix=str(dev / "nvidia"), utilization_window=10)
     with open(dev / "nvidia0") as gpu0:
-        second = spawn(stdin=gpu0)
-    out = m.sample({"k": {holder.pid}, "k2": {second.pid}})
-    assert [(u.matched_by, u.memory_bytes) for u in out["k"]] == [("devfile", 0)]
-    assert [(u.matched_by, u.memory_bytes) for u in out["k2"]] == [("devfile", 0)]
+        a = spawn(stdin=gpu0)
+        b = spawn(stdin=gpu0)
+    fake_gpu.add("proc", pid=2**22 + 11, nvml_pid=700011, dev=0, mem=4 * GiB)
+    fake_gpu.add("util", pid=700011, dev=0, sm=3, mem=0)
+    out = m.sample({"a": {a.pid}}, now=0)
+    assert [(u.matched_by, u.memory_bytes, u.pids) for u in out["a"]] == [
+        ("learned", 4 * GiB, [a.pid])
+    ]
+    # the second kernel starts using the same GPU
+    fake_gpu.add("proc", pid=2**22 + 12, nvml_pid=700012, dev=0, mem=6 * GiB)
+    fake_gpu.add("util", pid=700012, dev=0, sm=90, mem=40)
+    for t in range(0, 12):
+        out = m.sample({"a": {a.pid}, "b": {b.pid}}, now=t + 1)
+    assert [(u.matched_by, u.memory_bytes, u.pids) for u in out["a"]] == [
+        ("learned", 4 * GiB, [a.pid])
+    ]
+    assert [(u.matched_by, u.memory_bytes, u.pids) for u in out["b"]] == [
+        ("learned", 6 * GiB, [b.pid])
+    ]
+    assert out["a"][0].utilization == 3 and out["b"][0].utilization == 90
+    assert m.is_gpu_idle("a", 5, now=12) and not m.is_gpu_idle("b", 5, now=12)
+    # usage() of one kernel (what the checkpointer asks) leaves the other's memory out
+    assert [(u.memory_bytes, u.pids) for u in m.usage({b.pid})] == [(6 * GiB, [b.pid])]
+    # a kernel whose process is replaced (e.g. restored by CRIU: new pids everywhere)
+    fake_gpu.update("proc", {"nvml_pid": 700012}, nvml_pid=700099)
+    fake_gpu.update("util", {"pid": 700012}, pid=700099)
+    with open(dev / "nvidia0") as gpu0:
+        b2 = spawn(stdin=gpu0)
+    out = m.sample({"a": {a.pid}, "b": {b2.pid}}, now=13)
+    assert [(u.memory_bytes, u.pids) for u in out["b"]] == [(6 * GiB, [b2.pid])]
+    assert [(u.memory_bytes, u.pids) for u in out["a"]] == [(4 * GiB, [a.pid])]
+
+
+def test_learned_pid_is_forgotten_with_its_process(fake_gpu, spawn, tmp_path: Path):
+    """A learned NVML pid stands for one process: when that exits, or its NVML entry
+    goes, the alias goes too, and the GPU's next process is learned afresh."""
+    dev = fake_dev(tmp_path)
+    m = GpuMonitor(device_path_prefix=str(dev / "nvidia"))
+    with open(dev / "nvidia0") as gpu0:
+        a = spawn(stdin=gpu0)
+        b = spawn(stdin=gpu0)
+    fake_gpu.add("proc", pid=2**22 + 21, nvml_pid=700021, dev=0, mem=GiB)
+    assert [u.pids for u in m.sample({"a": {a.pid}})["a"]] == [[a.pid]]
+    a.kill()
+    a.wait()
+    # NVML still lists a's entry for a moment: it is not b's for having been a's...
+    out = m.sample({"b": {b.pid}})
+    assert [(u.matched_by, u.pids) for u in out["b"]] == [("learned", [b.pid])]
+    # ...only by elimination, afresh: the alias to the dead process was dropped first
+    fake_gpu.update("proc", {"nvml_pid": 700021}, nvml_pid=700022, mem=3 * GiB)
+    out = m.sample({"b": {b.pid}})
+    assert [(u.matched_by, u.memory_bytes, u.pids) for u in out["b"]] == [
+        ("learned", 3 * GiB, [b.pid])
+    ]
+    assert 700021 not in m._aliases
 
 
 def test_mig_and_mps_flags(fake_gpu, spawn):

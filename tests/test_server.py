@@ -171,12 +171,7 @@ async def test_rest_suspend_resume_and_spec(api, new_kernel, jp_serverapp, check
         "POST", "kernels", kid, "suspend", wait="0", spec="/kernels/{kernel_id}/suspend"
     )
     assert status in (200, 202) and k["state"] in ("suspending", "suspended")
-    for _ in range(100):
-        _, k = await api("GET", "kernels", kid)
-        if k["state"] == "suspended":
-            break
-        await asyncio.sleep(0.1)
-    assert k["state"] == "suspended"
+    await until(api, kid, lambda k: k["state"] == "suspended")
 
 
 async def test_rest_errors(api, new_kernel):
@@ -244,45 +239,56 @@ async def test_keep_awake_postpones_policy(api, new_kernel, connect, jp_serverap
         spec="/kernels/{kernel_id}/keep-awake",
     )
     assert status == 200 and k["keep_awake_until"]
-    await asyncio.sleep(2.5)
+    # Idle past the timeout, and checked by the policy once more since: kept awake.
+    await until(api, kid, lambda k: k["idle_seconds"] > policy.idle_timeout)
+    await manager(jp_serverapp).check()
     _, k = await api("GET", "kernels", kid)
     assert k["state"] == "running"
     assert k["suspend_at"] is not None  # still planned, after the keep-awake
     await api("POST", "kernels", kid, "keep-awake", body={"seconds": 0})
-    for _ in range(50):
-        _, k = await api("GET", "kernels", kid)
-        if k["state"] == "suspended":
-            break
-        await asyncio.sleep(0.2)
-    assert k["state"] == "suspended"
+    await until(api, kid, lambda k: k["state"] == "suspended")
 
 
 # -- policy -------------------------------------------------------------------------------
 
 
-async def test_policy_suspends_idle_not_busy_or_excluded(api, new_kernel, connect, jp_serverapp):
+async def test_policy_suspends_idle_not_busy_or_excluded(
+    api, new_kernel, connect, jp_serverapp, tmp_path
+):
     idle, busy = await new_kernel(), await new_kernel()
     c_idle, c_busy = await connect(idle), await connect(busy)
     await c_idle.run("x = 1")
-    busy_id = c_busy.execute("import time; time.sleep(6); print('done')")
+    # Busy until the test says so, however long the checks below take.
+    go = tmp_path / "go"
+    busy_id = c_busy.execute(
+        f"import os, time\nwhile not os.path.exists({str(go)!r}): time.sleep(0.01)\nprint('done')"
+    )
     policy = manager(jp_serverapp).policy
     policy.excluded_kernelspecs = ["python3"]
     policy.idle_timeout = 1.0
-    await asyncio.sleep(2.0)
-    _, k = await api("GET", "kernels", idle)
-    assert k["state"] == "running" and "excluded" in k["reason"]
+    k = await until(api, idle, lambda k: k["reason"] and "excluded" in k["reason"])
+    assert k["state"] == "running"
 
     policy.excluded_kernelspecs = []
-    for _ in range(50):
-        _, k = await api("GET", "kernels", idle)
-        if k["state"] == "suspended":
-            break
-        await asyncio.sleep(0.2)
-    assert k["state"] == "suspended"
+    await until(api, idle, lambda k: k["state"] == "suspended")
+    await until(api, busy, lambda k: k["execution_state"] == "busy")
+    await manager(jp_serverapp).check()  # at least one more check while it is busy
     _, b = await api("GET", "kernels", busy)
     assert b["state"] == "running" and b["execution_state"] == "busy"
+    go.touch()
     got = await c_busy.collect([busy_id])
     assert got[busy_id]["stdout"] == "done\n"
+
+
+async def until(api, kid: str, condition: Any, timeout: float = 120) -> dict[str, Any]:
+    """The kernel's view once `condition` holds (the bound only catches a hang)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        _, k = await api("GET", "kernels", kid)
+        if condition(k):
+            return k
+        assert time.monotonic() < deadline, k
+        await asyncio.sleep(0.1)
 
 
 # -- transparent resume -------------------------------------------------------------------
@@ -433,9 +439,8 @@ async def test_policy_shuts_down_after_retention(api, new_kernel, jp_serverapp, 
     kid = await new_kernel()
     await api("POST", "kernels", kid, "suspend")
     manager(jp_serverapp).policy.retention = 0.5
-    for _ in range(50):
-        if kid not in jp_serverapp.kernel_manager:
-            break
+    deadline = time.monotonic() + 120
+    while kid in jp_serverapp.kernel_manager and time.monotonic() < deadline:
         await asyncio.sleep(0.1)
     assert kid not in jp_serverapp.kernel_manager
     assert not (checkpoint_root / kid).exists()
@@ -475,8 +480,14 @@ async def test_events_and_metrics(api, new_kernel, jp_serverapp, jp_fetch):
     kid = await new_kernel()
     await api("POST", "kernels", kid, "suspend")
     await api("POST", "kernels", kid, "resume")
-    await asyncio.sleep(0.3)
-    actions = [e["action"] for e in seen if e["kernel_id"] == kid and e["action"] != "progress"]
+
+    def kernel_actions() -> list[str]:
+        return [e["action"] for e in seen if e["kernel_id"] == kid and e["action"] != "progress"]
+
+    deadline = time.monotonic() + 60  # listeners run as tasks of their own
+    while len(kernel_actions()) < 4 and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    actions = kernel_actions()
     assert actions == ["suspending", "suspended", "resuming", "resumed"]
     suspended = next(e for e in seen if e["action"] == "suspended")
     assert suspended["checkpoint_bytes"] > 0 and suspended["duration_seconds"] > 0

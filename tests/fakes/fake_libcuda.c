@@ -6,8 +6,11 @@
  * and writes it back, so the fake NVML sees device memory freed and taken again.
  * Built with -DFAKE_OLD_DRIVER it lacks the checkpoint API (a pre-r570 driver).
  */
+#include <dirent.h>
+#include <regex.h>
 #include <signal.h>
 #include <stdint.h>
+#include <time.h>
 
 #include "fakegpu_state.h"
 
@@ -19,6 +22,114 @@ typedef int CUresult;
 #define CUDA_ERROR_NOT_INITIALIZED 3
 #define CUDA_ERROR_OPERATING_SYSTEM 304
 #define CUDA_ERROR_ILLEGAL_STATE 401
+
+#ifndef FAKE_OLD_DRIVER
+/* The name of the calling program (cedana-cuda, cuda-checkpoint, ...), for the log. */
+static const char *caller(void)
+{
+	static char comm[32];
+	if (!comm[0]) {
+		FILE *f = fopen("/proc/self/comm", "r");
+		if (!f || !fgets(comm, sizeof(comm), f))
+			snprintf(comm, sizeof(comm), "?");
+		if (f)
+			fclose(f);
+		comm[strcspn(comm, "\n")] = 0;
+	}
+	return comm;
+}
+
+/* The scheduler state letter of a thread (R, S, T, t, ...), or 0 if it is gone. */
+static char thread_state(int pid, int tid)
+{
+	char path[96], buf[512];
+	snprintf(path, sizeof(path), "/proc/%d/task/%d/stat", pid, tid);
+	FILE *f = fopen(path, "r");
+	if (!f)
+		return 0;
+	size_t n = fread(buf, 1, sizeof(buf) - 1, f);
+	fclose(f);
+	buf[n] = 0;
+	char *close = strrchr(buf, ')');
+	return close && close[1] == ' ' ? close[2] : 0;
+}
+
+static int is_stopped(char state)
+{
+	return state == 'T' || state == 't';
+}
+
+/* The restore thread of a process (see fakegpu_state.h): its thread named cuda<hex>,
+ * else its main thread. */
+static int restore_thread(int pid)
+{
+	char path[64];
+	regex_t re;
+	int found = pid;
+	snprintf(path, sizeof(path), "/proc/%d/task", pid);
+	DIR *d = opendir(path);
+	if (!d)
+		return pid;
+	regcomp(&re, "^cuda[0-9a-f]+$", REG_EXTENDED | REG_NOSUB);
+	struct dirent *de;
+	while ((de = readdir(d)) != NULL) {
+		int tid = atoi(de->d_name);
+		char comm_path[96], comm[32] = "";
+		if (tid <= 0)
+			continue;
+		snprintf(comm_path, sizeof(comm_path), "/proc/%d/task/%d/comm", pid, tid);
+		FILE *f = fopen(comm_path, "r");
+		if (!f)
+			continue;
+		if (fgets(comm, sizeof(comm), f))
+			comm[strcspn(comm, "\n")] = 0;
+		fclose(f);
+		if (regexec(&re, comm, 0, NULL, 0) == 0) {
+			found = tid;
+			break;
+		}
+	}
+	regfree(&re);
+	closedir(d);
+	return found;
+}
+
+/* The process a thread id belongs to (the driver takes any thread of a process for
+ * the process, NVIDIA/cuda-checkpoint#41); `tid` itself when unknown. */
+static int tgid_of(int tid)
+{
+	char path[64], line[256];
+	snprintf(path, sizeof(path), "/proc/%d/status", tid);
+	FILE *f = fopen(path, "r");
+	int tgid = tid;
+	if (!f)
+		return tid;
+	while (fgets(line, sizeof(line), f))
+		if (strncmp(line, "Tgid:", 5) == 0)
+			tgid = atoi(line + 5);
+	fclose(f);
+	return tgid > 0 ? tgid : tid;
+}
+
+/* 1 when every thread of `pid` but `except` is stopped. */
+static int frozen_but(int pid, int except)
+{
+	char path[64];
+	int frozen = 1;
+	snprintf(path, sizeof(path), "/proc/%d/task", pid);
+	DIR *d = opendir(path);
+	if (!d)
+		return 0;
+	struct dirent *de;
+	while ((de = readdir(d)) != NULL) {
+		int tid = atoi(de->d_name);
+		if (tid > 0 && tid != except && !is_stopped(thread_state(pid, tid)))
+			frozen = 0;
+	}
+	closedir(d);
+	return frozen;
+}
+#endif
 
 static const struct {
 	int code;
@@ -159,16 +270,17 @@ static CUresult run_op(const char *op, int pid, step_fn step, void *arg)
 	char note[256] = "";
 	CUresult rc;
 	if (!initialized) {
-		fg_log("cuda %s pid=%d rc=%d", op, pid, CUDA_ERROR_NOT_INITIALIZED);
+		fg_log("cuda %s pid=%d rc=%d by=%s", op, pid, CUDA_ERROR_NOT_INITIALIZED, caller());
 		return CUDA_ERROR_NOT_INITIALIZED;
 	}
 	if (fg_load(&s, &fd) != 0)
 		return CUDA_ERROR_NOT_INITIALIZED;
-	struct fg_proc *p = pid > 0 ? fg_find_proc(&s, pid) : NULL;
+	struct fg_proc *p = pid > 0 ? fg_find_proc(&s, tgid_of(pid)) : NULL;
 	struct fg_err *e = fg_find_err(&s, op, pid, 0);
-	if (pid <= 0 || kill(pid, 0) != 0 || !p) {
-		/* not a live CUDA process: what the driver answers for such pids */
-		rc = CUDA_ERROR_INVALID_VALUE;
+	if (pid <= 0 || kill(pid, 0) != 0) {
+		rc = CUDA_ERROR_INVALID_VALUE; /* no such process */
+	} else if (!p) {
+		rc = s.noncuda; /* a live process without CUDA state (fakegpu_state.h) */
 	} else if (e) {
 		rc = e->code;
 		if (e->times > 0)
@@ -180,7 +292,7 @@ static CUresult run_op(const char *op, int pid, step_fn step, void *arg)
 		rc = step(&s, p, arg, note, sizeof(note));
 	}
 	fg_save(&s, fd);
-	fg_log("cuda %s pid=%d rc=%d%s", op, pid, rc, note);
+	fg_log("cuda %s pid=%d rc=%d by=%s%s", op, pid, rc, caller(), note);
 	return rc;
 }
 
@@ -231,6 +343,19 @@ static CUresult step_restore(struct fg_state *s, struct fg_proc *p, void *arg, c
 		return CUDA_ERROR_INVALID_VALUE;
 	if (p->state != FG_CHECKPOINTED)
 		return CUDA_ERROR_ILLEGAL_STATE;
+	/* The driver restores through the process's restore thread, which must run. */
+	int tid = restore_thread(p->pid);
+	for (int i = 0; is_stopped(thread_state(p->pid, tid)); i++) {
+		if (i >= 500) {
+			snprintf(note, cap, " restore_thread_stopped=%d", tid);
+			return CUDA_ERROR_OPERATING_SYSTEM;
+		}
+		struct timespec ts = {0, 10 * 1000 * 1000};
+		nanosleep(&ts, NULL);
+	}
+	size_t off = (size_t)snprintf(note, cap, " frozen=%d", frozen_but(p->pid, tid));
+	note += off;
+	cap -= off;
 	/* After a restore that ran out of memory the real driver stays broken. */
 	if (p->stuck)
 		return CUDA_ERROR_OPERATING_SYSTEM;
@@ -282,9 +407,8 @@ static CUresult step_unlock(struct fg_state *s, struct fg_proc *p, void *arg, ch
 static CUresult step_tid(struct fg_state *s, struct fg_proc *p, void *arg, char *note, size_t cap)
 {
 	(void)s;
-	(void)note;
-	(void)cap;
-	*(int *)arg = p->pid;
+	*(int *)arg = restore_thread(p->pid);
+	snprintf(note, cap, " tid=%d", *(int *)arg);
 	return CUDA_SUCCESS;
 }
 

@@ -8,7 +8,9 @@
  * One record per line, `kind key=value ...`; a `name=` value runs to the end
  * of the line. Lines starting with # are ignored (and not written back).
  *
- *   driver version=570.86.10 cuda=12080
+ *   driver version=570.86.10 cuda=12080 noncuda=801
+ *          (noncuda: the CUresult the checkpoint calls answer for a live process that
+ *          has no CUDA state; see "Processes that never used CUDA" below)
  *   device index=0 uuid=GPU-... total=BYTES reserved=BYTES minor=0 mig=0 gpu_util=0
  *          mem_util=0 name=NVIDIA H100 80GB HBM3
  *   proc pid=HOSTPID dev=0 mem=BYTES state=running|locked|checkpointed|failed
@@ -19,7 +21,30 @@
  *         times=N (-1: always) fail_state=failed (optional: state after failing)
  *   nvml_error fn=nvmlDeviceGetProcessUtilization code=NVML_ERROR
  *
- * Calls are appended to $CEDANA_FAKE_GPU_STATE.log (`cuda OP pid=N rc=N ...`).
+ * Calls are appended to $CEDANA_FAKE_GPU_STATE.log (`cuda OP pid=N rc=N by=COMM ...`,
+ * COMM being the calling program: cedana-cuda, or cuda-checkpoint when CRIU's cuda
+ * plugin runs the helper under that name).
+ *
+ * Processes that never used CUDA. The CUDA 13 header lists CUDA_ERROR_INVALID_VALUE,
+ * CUDA_ERROR_NOT_INITIALIZED and CUDA_ERROR_NOT_SUPPORTED as what
+ * cuCheckpointProcessGetState may return; which one a real driver gives for a live
+ * process without CUDA is not documented (bench/gpu_check.py records it on a GPU).
+ * The fake answers `noncuda` (default 801, CUDA_ERROR_NOT_SUPPORTED, the answer that
+ * broke CPU-only kernels) for such a process and CUDA_ERROR_INVALID_VALUE for a pid
+ * that does not exist; tests set `noncuda` to each candidate.
+ *
+ * A thread id given for a pid stands for its process, as with the real driver
+ * (NVIDIA/cuda-checkpoint#41: "threads are listed in /proc ... and can be used").
+ *
+ * The restore thread. A real CUDA process has a driver thread (named cuda + hex
+ * digits) through which cuCheckpointProcessRestore acts: the call cannot complete
+ * while that thread is stopped, which is why CRIU's cuda plugin (and the helper's
+ * thaw) let that one thread run while the rest of a restored process stays frozen.
+ * The fake's restore thread of a process is its thread whose name matches
+ * ^cuda[0-9a-f]+$ (test kernels start one), else its main thread. A restore waits up
+ * to 5 s for that thread to run, then fails with CUDA_ERROR_OPERATING_SYSTEM (the
+ * real driver would just wait), and logs `frozen=1` when every other thread of the
+ * process was stopped meanwhile, `frozen=0` otherwise.
  *
  * Process identity across a CRIU restore. The real driver keeps a process's
  * checkpoint state inside that process's memory, so CRIU carries it along and a
@@ -82,6 +107,7 @@ struct fg_err {
 struct fg_state {
 	char driver[80];
 	int cuda;
+	int noncuda; /* CUresult for a live process without CUDA */
 	int ndev, nproc, nutil, nerr;
 	struct fg_dev dev[FG_MAX_DEV];
 	struct fg_proc proc[FG_MAX_PROC];
@@ -204,6 +230,7 @@ static __attribute__((unused)) void fg_parse_line(struct fg_state *s, char *line
 		} else {
 			if (strcmp(k, "version") == 0) snprintf(s->driver, sizeof(s->driver), "%s", v);
 			else if (strcmp(k, "cuda") == 0) s->cuda = (int)n;
+			else if (strcmp(k, "noncuda") == 0) s->noncuda = (int)n;
 		}
 	}
 	if (d && d->minor < 0)
@@ -217,6 +244,7 @@ static __attribute__((unused)) void fg_parse(struct fg_state *s, FILE *f)
 	memset(s, 0, sizeof(*s));
 	snprintf(s->driver, sizeof(s->driver), "570.00.00");
 	s->cuda = 12080;
+	s->noncuda = 801; /* CUDA_ERROR_NOT_SUPPORTED */
 	char line[1024];
 	while (fgets(line, sizeof(line), f))
 		fg_parse_line(s, line);
@@ -254,7 +282,8 @@ static __attribute__((unused)) void fg_save(const struct fg_state *s, int fd)
 	FILE *f = lseek(fd, 0, SEEK_SET) == 0 ? fdopen(dup(fd), "w") : NULL;
 	if (f) {
 		if (ftruncate(fd, 0) == 0) {
-			fprintf(f, "driver version=%s cuda=%d\n", s->driver, s->cuda);
+			fprintf(f, "driver version=%s cuda=%d noncuda=%d\n", s->driver, s->cuda,
+				s->noncuda);
 			for (int i = 0; i < s->ndev; i++) {
 				const struct fg_dev *d = &s->dev[i];
 				fprintf(f,

@@ -1,0 +1,292 @@
+"""Adopt on start: kernels parked by an earlier server (parking.py) become this server's
+suspended kernels, under their old ids, with their sessions, before it serves requests.
+
+Adoption goes through jupyter_server's public path, `start_kernel(kernel_id=<old id>)`;
+cedana-provisioner's launch_kernel calls `claim_adoption`, which hands it the saved
+connection info instead of launching a process. The next message to the kernel resumes it
+from its image like any suspended kernel.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, cast
+
+from jupyter_client.connect import KernelConnectionInfo
+from jupyter_client.kernelspec import NoSuchKernel
+from jupyter_client.provisioning import KernelProvisionerFactory
+from jupyter_core.utils import ensure_async
+from tornado import web
+
+from .checkpoint import CheckpointStore
+from .errors import CheckpointCorrupt, NotFound
+from .parkrecords import (
+    RecordBusy,
+    RecordInvalid,
+    list_records,
+    locked_record,
+    parse_record,
+    remove_record,
+)
+from .transitions import KernelState
+
+PROVISIONER = "cedana-provisioner"
+
+
+@dataclass
+class _Plan:
+    record: dict[str, Any]
+    manifest: dict[str, Any]
+    claimed: bool = False
+
+
+# Kernel id -> the adoption the next launch of that id must perform instead of launching.
+_PLANS: dict[str, _Plan] = {}
+
+
+def claim_adoption(prov: Any) -> KernelConnectionInfo | None:
+    """For the provisioner's launch_kernel: the connection info of a parked kernel being
+    adopted under this id (the provisioner then holds it suspended), or None (launch)."""
+    plan = _PLANS.get(str(prov.kernel_id))
+    if plan is None or plan.claimed:
+        return None
+    plan.claimed = True
+    record, manifest = plan.record, plan.manifest
+    info: dict[str, Any] = dict(record["connection_info"])
+    # jupyter_client compares the key as bytes with the one it holds.
+    info["key"] = str(info.get("key", "")).encode()
+    saved = record.get("provisioner") or {}
+    prov.connection_info = info
+    prov.process = None
+    prov.pid = None
+    prov.pgid = None
+    prov.cwd = record.get("cwd") or os.getcwd()
+    prov.state = KernelState.suspended
+    prov.tier = "disk"
+    prov.reason = None
+    prov.suspended_at = saved.get("cedana_suspended_at") or record.get("parked_at")
+    prov.checkpoint_bytes = int(manifest.get("total_bytes") or 0)
+    prov._gpu_state = manifest.get("gpu")
+    prov._reserve_ports()
+    return cast(KernelConnectionInfo, info)
+
+
+@dataclass
+class AdoptionReport:
+    adopted: list[str] = field(default_factory=list)
+    skipped: dict[str, str] = field(default_factory=dict)  # kernel id -> why
+
+
+class Adopter:
+    """Validates the park records of a checkpoint root and adopts the valid ones."""
+
+    def __init__(
+        self,
+        *,
+        kernel_manager: Any,
+        session_manager: Any,
+        store: CheckpointStore,
+        retention: float,
+        verify_bytes: int,
+        log: Any,
+    ):
+        self.mkm = kernel_manager
+        self.sessions = session_manager
+        self.store = store
+        self.retention = retention
+        self.verify_bytes = verify_bytes
+        self._verify: set[str] = set()
+        self.log = log
+
+    async def adopt_all(self) -> AdoptionReport:
+        # Verifying images is most of the work: a few at a time, as the CPUs allow.
+        slots = asyncio.Semaphore(max(1, min(4, os.cpu_count() or 1)))
+
+        async def adopt(path: Path) -> str | None:
+            async with slots:
+                return await self._adopt_path(path)
+
+        paths = list_records(self.store)
+        self._plan_verification([p.name[: -len(".json")] for p in paths])
+        report = AdoptionReport()
+        for path, why in zip(paths, await asyncio.gather(*map(adopt, paths)), strict=True):
+            kid = path.name[: -len(".json")]
+            if why is None:
+                report.adopted.append(kid)
+            else:
+                report.skipped[kid] = why
+        return report
+
+    def _plan_verification(self, kids: list[str]) -> None:
+        """Which images get their checksums verified before adoption: the smallest, up to
+        verify_bytes in all (this is read before the server answers HTTP); the others
+        are size-checked now and verified by their resume, as every resume does."""
+        sizes = sorted((self.store.size_of(k), k) for k in kids)
+        budget = self.verify_bytes if self.verify_bytes >= 0 else sum(n for n, _ in sizes)
+        for size, kid in sizes:
+            if size > budget:
+                break
+            budget -= size
+            self._verify.add(kid)
+        later = [(n, k) for n, k in sizes if k not in self._verify and n]
+        if later:
+            self.log.info(
+                "jupyter-cedana: %d parked image(s) of %.2f GB over adopt_verify_bytes: "
+                "sizes checked now, checksums at their resume",
+                len(later),
+                sum(n for n, _ in later) / 1e9,
+            )
+
+    async def _adopt_path(self, path: Path) -> str | None:
+        """Adopt the kernel of one record; None when adopted, else why not (logged)."""
+        kid = path.name[: -len(".json")]
+        try:
+            with locked_record(path) as (_fd, text):
+                return await self._adopt_locked(path, kid, text)
+        except RecordBusy as e:
+            return self._skip(kid, f"{e} (it is adopting this kernel)", level="info")
+        except FileNotFoundError:
+            return self._skip(kid, "its record went away (adopted by another server)", "info")
+        except Exception as e:
+            self.log.exception("jupyter-cedana: adopting parked kernel %s failed", kid)
+            return f"adoption failed: {e}"
+
+    def _skip(self, kid: str, why: str, level: str = "warning") -> str:
+        getattr(self.log, level)("jupyter-cedana: parked kernel %s not adopted: %s", kid, why)
+        return why
+
+    async def _adopt_locked(self, path: Path, kid: str, text: str) -> str | None:
+        try:
+            record = parse_record(path, text)
+        except RecordInvalid as e:
+            return self._skip(kid, f"{e}; left for 'jupyter cedana gc'")
+        why = self._foreign(record)
+        if why:
+            return self._skip(kid, f"{why}; left in place", level="info")
+        if kid in self.mkm:
+            return self._skip(kid, "a kernel with this id is already running here")
+        saved = record.get("provisioner") or {}
+        since = saved.get("cedana_suspended_at") or record.get("parked_at") or time.time()
+        if self.retention > 0 and time.time() - float(since) > self.retention:
+            self.store.remove(kid)
+            remove_record(path)
+            return self._skip(
+                kid,
+                f"suspended for longer than SuspendPolicy.retention ({self.retention:.0f} s); "
+                "its image and record were removed",
+            )
+        why = await self._spec_problem(str(record["kernel_name"]))
+        if why:
+            return self._skip(kid, f"{why}; left for 'jupyter cedana gc'")
+        try:
+            manifest = await self._check_image(kid)
+        except NotFound:
+            remove_record(path)
+            return self._skip(
+                kid, "its checkpoint image is missing; the record and its sessions were removed"
+            )
+        except CheckpointCorrupt as e:
+            return self._skip(kid, f"{e.message}; left for 'jupyter cedana gc'")
+        await self._start(kid, record, manifest)
+        remove_record(path)
+        return None
+
+    def _foreign(self, record: dict[str, Any]) -> str | None:
+        """Why a record belongs to someone else (another uid, Hub user or named server)."""
+        if record.get("uid") != os.geteuid():
+            return f"it was parked by uid {record.get('uid')}, this server runs as {os.geteuid()}"
+        user = os.environ.get("JUPYTERHUB_USER") or None
+        if (record.get("hub_user") or None) != user:
+            return f"it was parked by Hub user {record.get('hub_user')!r}, not {user!r}"
+        name = os.environ.get("JUPYTERHUB_SERVER_NAME") or ""
+        if (record.get("hub_server_name") or "") != name:
+            return f"it belongs to named server {record.get('hub_server_name')!r}, not {name!r}"
+        return None
+
+    async def _spec_problem(self, name: str) -> str | None:
+        try:
+            spec = await ensure_async(self.mkm.kernel_spec_manager.get_kernel_spec(name))
+        except NoSuchKernel:
+            return f"its kernelspec {name!r} is gone"
+        configured = (spec.metadata or {}).get("kernel_provisioner", {}).get("provisioner_name")
+        provisioner = configured or KernelProvisionerFactory.instance().default_provisioner_name
+        if provisioner != PROVISIONER:
+            return f"kernelspec {name!r} now uses provisioner {provisioner!r}, not {PROVISIONER}"
+        return None
+
+    async def _check_image(self, kid: str) -> dict[str, Any]:
+        if not self.store.exists(kid):
+            raise NotFound(f"No checkpoint for kernel {kid}")
+        if kid in self._verify:
+            return await asyncio.to_thread(self.store.verify, kid)
+        return self.store.check_sizes(kid)
+
+    async def _start(self, kid: str, record: dict[str, Any], manifest: dict[str, Any]) -> None:
+        kwargs: dict[str, Any] = {}
+        cwd = record.get("cwd")
+        if cwd and os.path.isdir(cwd):
+            kwargs["cwd"] = cwd  # kept for a later restart of the kernel
+        sessions = [s for s in record.get("sessions") or [] if s.get("id") and s.get("path")]
+        if sessions and hasattr(self.sessions, "get_kernel_env"):
+            kwargs["env"] = self.sessions.get_kernel_env(sessions[0]["path"])
+        plan = _PLANS[kid] = _Plan(record, manifest)
+        try:
+            await self.mkm.start_kernel(
+                kernel_id=kid, kernel_name=str(record["kernel_name"]), **kwargs
+            )
+        finally:
+            _PLANS.pop(kid, None)
+        if not plan.claimed:
+            # Never a fresh kernel under a parked kernel's id: the user would take it for theirs.
+            await self.mkm.shutdown_kernel(kid, now=True)
+            raise RuntimeError("its kernel was launched, not adopted, by the provisioner")
+        kernel = self.mkm.get_kernel(kid)
+        # Adoption is not activity: idle time and culling go on from the parked values.
+        last = _parse_time(record.get("last_activity"))
+        if last is not None:
+            kernel.last_activity = last
+        state = record.get("execution_state")
+        kernel.execution_state = state if state in ("idle", "busy") else "idle"
+        restored = await self._restore_sessions(kid, sessions)
+        self.log.info(
+            "jupyter-cedana: adopted parked kernel %s (%s, %.1f MB image, parked by pid %s): "
+            "suspended; sessions: %s",
+            kid,
+            record["kernel_name"],
+            int(manifest.get("total_bytes") or 0) / 1e6,
+            record.get("server_pid"),
+            ", ".join(restored) or "none",
+        )
+
+    async def _restore_sessions(self, kid: str, sessions: list[dict[str, Any]]) -> list[str]:
+        """Put the kernel's sessions back under their old ids, so that JupyterLab finds each
+        notebook's kernel by path."""
+        if self.sessions is None:
+            return []
+        restored = []
+        for s in sessions:
+            try:
+                await self.sessions.get_session(session_id=s["id"])
+                continue  # a persistent session database kept it
+            except web.HTTPError:
+                pass
+            await self.sessions.save_session(
+                s["id"], path=s["path"], name=s.get("name"), type=s.get("type"), kernel_id=kid
+            )
+            restored.append(str(s["path"]))
+        return restored
+
+
+def _parse_time(value: Any) -> dt.datetime | None:
+    if not isinstance(value, str):
+        return None
+    try:
+        parsed = dt.datetime.fromisoformat(value)
+    except ValueError:
+        return None
+    return parsed if parsed.tzinfo else parsed.replace(tzinfo=dt.timezone.utc)

@@ -1,0 +1,381 @@
+"""Park on stop, adopt on start: kernels outlive their server.
+
+When the server stops (SIGTERM, SIGINT with or without a terminal, /api/shutdown, a
+JupyterHub stop or cull), every kernel under cedana-provisioner is checkpointed to disk
+instead of killed: running kernels are dumped, GPU-offloaded ones go to disk, suspended
+ones keep their image. A record of each (parkrecords.py) says what adoption needs; then
+the kernel is detached from the server, so the normal kernel shutdown neither kills
+anything nor deletes its image. A kernel that cannot be parked within the deadline is
+shut down as before, with the reason in the log.
+
+The next server on the same checkpoint root adopts every valid record before it serves
+requests (adoption.py): the kernel is listed under its old id, suspended, with its
+sessions, and the next message resumes it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import socket
+import time
+from typing import Any
+
+from traitlets import Any as AnyTrait
+from traitlets import Bool, Float, Integer
+from traitlets.config import LoggingConfigurable
+
+from .adoption import PROVISIONER, Adopter
+from .engine import tree_rss
+from .errors import CedanaError, Conflict, SuspendFailed
+from .parkrecords import (
+    RECORD_FORMAT,
+    ParkingLock,
+    parked_kernel_ids,
+    wait_for_parkers,
+    write_record,
+)
+from .provisioner import CedanaProvisioner, KernelState
+
+__all__ = ["KernelParking", "parked_kernel_ids"]
+
+
+class KernelParking(LoggingConfigurable):
+    """Checkpoint every kernel when the server stops; adopt them when it starts again."""
+
+    park_on_stop = Bool(
+        True,
+        help="When the server stops, checkpoint its kernels to disk (running ones are "
+        "dumped, GPU-offloaded ones go to disk, suspended ones keep their image) instead "
+        "of killing them; the next server on the same checkpoint root adopts them.",
+    ).tag(config=True)
+
+    deadline = Float(
+        20.0,
+        help="Seconds parking may take when the server stops; a kernel not parked by then "
+        "is shut down as without parking (the log says which and why). The whole stop "
+        "must end before the spawner kills the server: JupyterHub's LocalProcessSpawner "
+        "sends SIGTERM 30 s after SIGINT (interrupt_timeout; jupyter-cedana ignores that "
+        "second signal while it stops) and SIGKILL 30 s later (term_timeout); systemd "
+        "waits TimeoutStopSec (90 s) and needs KillMode=mixed, as the default "
+        "control-group kills the kernels at once; Docker kills 10 s after SIGTERM and "
+        "KubeSpawner after delete_grace_period (1 s): raise those to at least this "
+        "deadline plus 10 s.",
+    ).tag(config=True)
+
+    concurrency = Integer(
+        2,
+        help="Kernels parked at the same time, smallest first, so that as many as "
+        "possible make the deadline. CRIU dumps run one at a time whatever this says "
+        "(CheckpointEngine); 2 overlaps one kernel's dump with the image fsync and record "
+        "of the previous one.",
+    ).tag(config=True)
+
+    adopt_on_start = Bool(
+        True,
+        help="On start, before serving requests, adopt the kernels that an earlier server "
+        "of the same uid (and JupyterHub user and server name) parked in the checkpoint "
+        "root: they are listed under their old ids, suspended, with their sessions.",
+    ).tag(config=True)
+
+    adopt_verify_bytes = Integer(
+        2 << 30,
+        help="Bytes of parked images whose checksums are verified before adoption, the "
+        "smallest images first. Everything verified here is read before the server "
+        "answers HTTP, which counts against JupyterHub's Spawner.http_timeout (30 s); a "
+        "loaded disk read 10 GB in 30-57 s in the benchmark. Larger images get their "
+        "sizes checked and their checksums verified by their resume, as every resume "
+        "does (a damaged one then fails it: state failed, image kept). -1: no limit.",
+    ).tag(config=True)
+
+    wait_for_parking = Float(
+        30.0,
+        help="Seconds a starting server waits for another server that is still parking "
+        "kernels into the same checkpoint root; after that it adopts what is parked so "
+        "far, and the rest at its next start.",
+    ).tag(config=True)
+
+    manager = AnyTrait(help="The SuspendManager of the server.")
+
+    def __init__(self, **kwargs: Any):
+        super().__init__(**kwargs)
+        self._adoption: asyncio.Task[None] | None = None
+
+    @property
+    def _mkm(self) -> Any:
+        return self.manager.kernel_manager
+
+    @property
+    def _store(self) -> Any:
+        return self.manager.engine.store
+
+    # -- server hooks ---------------------------------------------------------------------
+
+    def install(self, serverapp: Any) -> None:
+        """Take over the stop signals and hold the HTTP server back until adoption is done."""
+        self._serverapp = serverapp
+        self._install_stop_signals(serverapp)
+        bind = getattr(serverapp, "_bind_http_server", None)
+        if bind is not None and self.adopt_on_start:
+
+            async def bind_after_adoption() -> None:
+                await self.adopt()
+                bind()
+
+            # ServerApp.init_httpserver (after the extensions load) schedules the bind.
+            serverapp._bind_http_server = bind_after_adoption
+
+    def _install_stop_signals(self, serverapp: Any) -> None:
+        """SIGTERM and SIGINT stop the server once, through the normal stop (extensions
+        first, then kernels); a repeated signal does not interrupt parking. Without a
+        terminal jupyter_server leaves SIGINT to Python, which ends the loop with no
+        cleanup at all: JupyterHub's LocalProcessSpawner stops servers with it."""
+        # Only where jupyter_server installed its own handlers (test harnesses do not).
+        if signal.getsignal(signal.SIGTERM) != serverapp._signal_stop:
+            return
+        normal_stop = serverapp._signal_stop
+        log = self.log
+
+        def stop_once(sig: int, frame: Any) -> None:
+            if getattr(serverapp, "_stopping", False):
+                log.warning(
+                    "jupyter-cedana: received signal %s while the server is stopping "
+                    "(parking its kernels): ignored",
+                    sig,
+                )
+                return
+            normal_stop(sig, frame)
+
+        # jupyter_server's interactive ^C handler re-installs self._signal_stop.
+        serverapp._signal_stop = stop_once
+        signal.signal(signal.SIGTERM, stop_once)
+        if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+            signal.signal(signal.SIGINT, stop_once)
+
+    # -- adopt on start -------------------------------------------------------------------
+
+    async def adopt(self) -> None:
+        """Adopt the parked kernels (once; later calls wait for the first)."""
+        if not self.adopt_on_start:
+            return
+        if self._adoption is None:
+            self._adoption = asyncio.ensure_future(self._adopt())
+        await asyncio.shield(self._adoption)
+
+    async def _adopt(self) -> None:
+        store = self._store
+        try:
+            busy = await wait_for_parkers(store, self.wait_for_parking, self.log)
+            if busy:
+                self.log.warning(
+                    "jupyter-cedana: server(s) %s still parking kernels after %.0f s; "
+                    "adopting the kernels parked so far, the rest at the next start",
+                    ", ".join(map(str, busy)),
+                    self.wait_for_parking,
+                )
+            adopter = Adopter(
+                kernel_manager=self._mkm,
+                session_manager=getattr(self._serverapp_or_none(), "session_manager", None),
+                store=store,
+                retention=self.manager.policy.retention,
+                verify_bytes=self.adopt_verify_bytes,
+                log=self.log,
+            )
+            report = await adopter.adopt_all()
+        except Exception:
+            self.log.exception("jupyter-cedana: adopting parked kernels failed")
+            return
+        if report.adopted or report.skipped:
+            self.log.info(
+                "jupyter-cedana: adopted %d parked kernel(s), %d not adopted",
+                len(report.adopted),
+                len(report.skipped),
+            )
+
+    def _serverapp_or_none(self) -> Any:
+        return getattr(self, "_serverapp", None)
+
+    # -- park on stop ---------------------------------------------------------------------
+
+    async def park_all(self) -> dict[str, str]:
+        """Park every kernel of this server within the deadline; returns, per kernel,
+        "parked" or why not. Kernels not parked stay for the normal shutdown."""
+        if not self.park_on_stop:
+            return {}
+        if self._adoption is not None and not self._adoption.done():
+            self._adoption.cancel()
+            with contextlib.suppress(BaseException):
+                await self._adoption
+        candidates = []
+        outcome: dict[str, str] = {}
+        for kid in list(self._mkm.list_kernel_ids()):
+            with contextlib.suppress(KeyError):
+                km = self._mkm.get_kernel(kid)
+                prov = getattr(km, "provisioner", None)
+                if isinstance(prov, CedanaProvisioner):
+                    candidates.append((kid, km, prov))
+                else:
+                    outcome[kid] = f"not started by {PROVISIONER}"
+        if not candidates:
+            return outcome
+        t0 = time.monotonic()
+        self.log.info(
+            "jupyter-cedana: parking %d kernel(s) (deadline %.0f s)", len(candidates), self.deadline
+        )
+        lock = ParkingLock(self._store)
+        try:
+            sessions = await self._sessions_by_kernel()
+            candidates.sort(key=lambda c: _dump_cost(c[2]))
+            slots = asyncio.Semaphore(max(1, self.concurrency))
+            recording: set[str] = set()
+            tasks = {
+                kid: asyncio.ensure_future(
+                    self._park_one(kid, km, prov, sessions.get(kid, []), slots, recording)
+                )
+                for kid, km, prov in candidates
+            }
+            await asyncio.wait(tasks.values(), timeout=self.deadline)
+            for kid, task in tasks.items():
+                # A kernel whose image is on disk (its process is gone) finishes; the
+                # others stop where they are: a cancelled dump leaves the kernel running.
+                if not task.done() and kid not in recording:
+                    task.cancel()
+            for kid, task in tasks.items():
+                try:
+                    outcome[kid] = await task
+                except asyncio.CancelledError:
+                    outcome[kid] = f"not parked within the deadline of {self.deadline:.0f} s"
+                except CedanaError as e:
+                    outcome[kid] = e.message
+                except Exception as e:
+                    outcome[kid] = f"{type(e).__name__}: {e}"
+        finally:
+            lock.release()
+        for kid, what in outcome.items():
+            if what != "parked":
+                self.log.warning(
+                    "jupyter-cedana: kernel %s not parked (%s): it is shut down", kid, what
+                )
+        self.log.info(
+            "jupyter-cedana: parked %d of %d kernel(s) in %.2f s",
+            sum(1 for w in outcome.values() if w == "parked"),
+            len(outcome),
+            time.monotonic() - t0,
+        )
+        return outcome
+
+    async def _sessions_by_kernel(self) -> dict[str, list[dict[str, Any]]]:
+        sm = getattr(self._serverapp_or_none(), "session_manager", None)
+        found: dict[str, list[dict[str, Any]]] = {}
+        if sm is None:
+            return found
+        try:
+            models = await sm.list_sessions()
+        except Exception:
+            self.log.exception("jupyter-cedana: could not list sessions to park with kernels")
+            return found
+        for m in models:
+            kid = (m.get("kernel") or {}).get("id")
+            if kid:
+                found.setdefault(kid, []).append(
+                    {k: m.get(k) for k in ("id", "path", "name", "type")}
+                )
+        return found
+
+    async def _park_one(
+        self,
+        kid: str,
+        km: Any,
+        prov: CedanaProvisioner,
+        sessions: list[dict[str, Any]],
+        slots: asyncio.Semaphore,
+        recording: set[str],
+    ) -> str:
+        t0 = time.monotonic()
+        try:
+            if not self._on_disk(kid, prov):
+                async with slots:
+                    await self._to_disk(kid, prov)
+        except asyncio.CancelledError:
+            if not self._on_disk(kid, prov):
+                raise
+            # The deadline came just as the image was committed: park it all the same.
+        # The kernel's only copy is its image now: no cancelling from here on.
+        recording.add(kid)
+        record = await self._record(kid, km, prov, sessions)
+        await asyncio.to_thread(write_record, self._store, record)
+        self._detach(kid, km, prov)
+        self.log.info(
+            "jupyter-cedana: parked kernel %s (%.1f MB image) in %.2f s",
+            kid,
+            prov.checkpoint_bytes / 1e6,
+            time.monotonic() - t0,
+        )
+        return "parked"
+
+    def _on_disk(self, kid: str, prov: CedanaProvisioner) -> bool:
+        """Whether the kernel's whole state is in a committed image, with no process (a
+        failed resume keeps its image: it is parked as it is)."""
+        at_rest = (prov.state == KernelState.suspended and prov.tier == "disk") or (
+            prov.state == KernelState.failed
+        )
+        return at_rest and prov.transition_in_flight is None and self._store.exists(kid)
+
+    async def _to_disk(self, kid: str, prov: CedanaProvisioner) -> None:
+        """Dump a running or GPU-offloaded kernel into a committed image."""
+        try:
+            await prov.suspend("disk")  # waits for a transition in flight first
+        except Conflict:
+            if not self._on_disk(kid, prov):
+                raise
+        if not self._on_disk(kid, prov):
+            raise SuspendFailed(f"kernel {kid} has no image after its suspend ({prov.state})")
+
+    async def _record(
+        self, kid: str, km: Any, prov: CedanaProvisioner, sessions: list[dict[str, Any]]
+    ) -> dict[str, Any]:
+        info = dict(km.get_connection_info())
+        key = info.get("key", b"")
+        info["key"] = key.decode() if isinstance(key, bytes) else str(key)
+        last = getattr(km, "last_activity", None)
+        provisioner = await prov.get_provisioner_info()
+        provisioner.pop("connection_info", None)  # saved once, above, with the key as text
+        return {
+            "format": RECORD_FORMAT,
+            "kernel_id": kid,
+            "kernel_name": km.kernel_name,
+            "connection_info": info,
+            "provisioner": {"name": PROVISIONER, **provisioner},
+            "uid": os.geteuid(),
+            "hub_user": os.environ.get("JUPYTERHUB_USER") or None,
+            "hub_server_name": os.environ.get("JUPYTERHUB_SERVER_NAME") or None,
+            "last_activity": last.isoformat() if last is not None else None,
+            "execution_state": getattr(km, "execution_state", None),
+            "cwd": str(prov.cwd) if getattr(prov, "cwd", None) else None,
+            "sessions": sessions,
+            "parked_at": time.time(),
+            "server_pid": os.getpid(),
+            "host": socket.gethostname(),
+        }
+
+    def _detach(self, kid: str, km: Any, prov: CedanaProvisioner) -> None:
+        """Take a parked kernel out of the server, so that the shutdown of the remaining
+        kernels neither restarts, kills nor deletes anything of it."""
+        mkm = self._mkm
+        km.stop_restarter()
+        for step in (mkm.stop_watching_activity, mkm.stop_buffering):
+            with contextlib.suppress(Exception):
+                step(kid)
+        mkm.remove_kernel(kid)
+        with contextlib.suppress(Exception):
+            km.cleanup_connection_file()
+        prov._release_ports()
+
+
+def _dump_cost(prov: CedanaProvisioner) -> int:
+    """Bytes a kernel's parking must write: none for an image already on disk."""
+    if prov.state in (KernelState.suspended, KernelState.failed) and prov.tier != "offload":
+        return 0
+    return tree_rss(prov.pid) if prov.pid else 0

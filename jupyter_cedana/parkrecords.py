@@ -1,0 +1,211 @@
+"""Records of parked kernels: one JSON file per kernel under `<checkpoint root>/.parked/`,
+written atomically and durably, and the file locks that keep two servers from adopting
+the same kernel or adopting while another server is still parking.
+
+A record holds the kernel's HMAC key: files are 0600 in a 0700 directory, like images.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import fcntl
+import json
+import os
+import re
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from .checkpoint import CheckpointStore, fsync_path, validate_kernel_id
+
+RECORDS = ".parked"
+RECORD_FORMAT = 1
+_RECORD_RE = re.compile(r"^([A-Za-z0-9][A-Za-z0-9_-]{0,127})\.json$")
+_PARKER_RE = re.compile(r"^\.parking-(\d+)$")
+
+
+class RecordInvalid(Exception):
+    """A record that cannot be adopted; the message says why."""
+
+
+class RecordBusy(Exception):
+    """Another process holds the record's lock (it is adopting that kernel)."""
+
+
+def records_dir(store: CheckpointStore, create: bool = False) -> Path:
+    path = store.root / RECORDS
+    if create:
+        store.ensure_root()
+        path.mkdir(mode=0o700, exist_ok=True)
+        os.chmod(path, 0o700)
+    return path
+
+
+def record_path(store: CheckpointStore, kernel_id: str) -> Path:
+    return records_dir(store) / f"{validate_kernel_id(kernel_id)}.json"
+
+
+def parked_kernel_ids(store: CheckpointStore) -> set[str]:
+    """Ids of every kernel with a park record, readable or not: their images (and logs)
+    belong to a parked kernel, not to nobody, and gc must keep them."""
+    d = records_dir(store)
+    if not d.is_dir():
+        return set()
+    return {m.group(1) for p in d.iterdir() if (m := _RECORD_RE.match(p.name))}
+
+
+def write_record(store: CheckpointStore, record: dict[str, Any]) -> Path:
+    """Write a record under a temporary name, fsync it, rename it into place and fsync
+    the directory: readers see a whole record or none."""
+    kid = validate_kernel_id(record["kernel_id"])
+    d = records_dir(store, create=True)
+    final = d / f"{kid}.json"
+    tmp = d / f".{kid}.json.tmp-{os.getpid()}-{time.monotonic_ns()}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(record, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        os.rename(tmp, final)
+        fsync_path(d, directory=True)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+    return final
+
+
+def parse_record(path: Path, text: str) -> dict[str, Any]:
+    """The record's content, or RecordInvalid with the reason."""
+    try:
+        record = json.loads(text)
+    except ValueError as e:
+        raise RecordInvalid(f"record {path.name} does not parse: {e}") from None
+    if not isinstance(record, dict) or record.get("format") != RECORD_FORMAT:
+        raise RecordInvalid(f"record {path.name} is not a format-{RECORD_FORMAT} park record")
+    expected = path.name[: -len(".json")]
+    if record.get("kernel_id") != expected:
+        raise RecordInvalid(f"record {path.name} names another kernel: {record.get('kernel_id')!r}")
+    for key in ("kernel_name", "connection_info", "uid"):
+        if key not in record:
+            raise RecordInvalid(f"record {path.name} lacks {key!r}")
+    return record
+
+
+def list_records(store: CheckpointStore) -> list[Path]:
+    d = records_dir(store)
+    if not d.is_dir():
+        return []
+    return sorted(p for p in d.iterdir() if _RECORD_RE.match(p.name))
+
+
+@contextlib.contextmanager
+def locked_record(path: Path) -> Iterator[tuple[int, str]]:
+    """Hold an exclusive lock on a record for as long as the block runs; yields the open
+    descriptor and the record's text. RecordBusy when another process holds it;
+    FileNotFoundError when it is gone (e.g. adopted and removed by another server)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                raise RecordBusy(f"record {path.name} is locked by another server") from None
+            raise
+        # The lock is on the inode: a server that adopted the kernel unlinks the record
+        # before it unlocks, so a lock won on an unlinked or replaced file means nothing.
+        st = os.fstat(fd)
+        try:
+            now = os.stat(path, follow_symlinks=False)
+        except FileNotFoundError:
+            raise FileNotFoundError(path) from None
+        if st.st_nlink == 0 or (st.st_ino, st.st_dev) != (now.st_ino, now.st_dev):
+            raise FileNotFoundError(path)
+        with os.fdopen(os.dup(fd), "r") as f:
+            text = f.read()
+        yield fd, text
+    finally:
+        os.close(fd)
+
+
+def remove_record(path: Path) -> None:
+    path.unlink(missing_ok=True)
+    with contextlib.suppress(OSError):
+        fsync_path(path.parent, directory=True)
+
+
+class ParkingLock:
+    """Held by a server while it parks its kernels (`.parked/.parking-<pid>`, flock), so
+    that a server starting on the same root meanwhile can wait for the records."""
+
+    def __init__(self, store: CheckpointStore):
+        self.path = records_dir(store, create=True) / f".parking-{os.getpid()}"
+        self._fd: int | None = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+        fcntl.flock(self._fd, fcntl.LOCK_EX)
+
+    def release(self) -> None:
+        if self._fd is None:
+            return
+        # Unlink first: a waiter that wins the lock then finds the file gone or unlinked.
+        self.path.unlink(missing_ok=True)
+        os.close(self._fd)
+        self._fd = None
+
+
+def _parker_busy(path: Path) -> bool:
+    """Whether a `.parking-<pid>` file is locked by a live parker; a stale one (its server
+    died or finished) is removed."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        return False
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                return True
+            raise
+        with contextlib.suppress(OSError):
+            if os.fstat(fd).st_ino == os.stat(path).st_ino:
+                path.unlink()
+        return False
+    finally:
+        os.close(fd)
+
+
+def parkers(store: CheckpointStore) -> list[int]:
+    """PIDs of other servers parking kernels into this root right now."""
+    d = records_dir(store)
+    if not d.is_dir():
+        return []
+    busy = []
+    for p in sorted(d.iterdir()):
+        m = _PARKER_RE.match(p.name)
+        if m and int(m.group(1)) != os.getpid() and _parker_busy(p):
+            busy.append(int(m.group(1)))
+    return busy
+
+
+async def wait_for_parkers(store: CheckpointStore, timeout: float, log: Any) -> list[int]:
+    """Wait until no other server is parking into this root, at most `timeout` seconds;
+    returns the PIDs still parking then (empty: all done)."""
+    busy = parkers(store)
+    if not busy:
+        return []
+    log.info(
+        "jupyter-cedana: server(s) %s still parking kernels into %s; waiting up to %.0f s "
+        "before adopting",
+        ", ".join(map(str, busy)),
+        store.root,
+        timeout,
+    )
+    deadline = time.monotonic() + timeout
+    while busy and time.monotonic() < deadline:
+        await asyncio.sleep(0.1)
+        busy = parkers(store)
+    return busy

@@ -1,0 +1,127 @@
+"""Hold `criu dump` or `criu restore` at a chosen point until the test says go, so a
+test acts (restart, shutdown, cancel, time out) exactly while the operation is in flight.
+
+A wrapper script stands in for criu (set CheckpointEngine.criu_path to it, or use the
+`criu_hold` fixture in conftest.py). For an armed point it creates `reached-OP-POINT`
+when there and waits until `release-OP-POINT` exists. Points:
+
+- dump/before:     nothing dumped yet, the kernel runs.
+- dump/after:      CRIU has dumped and exited; the tree is left stopped (--leave-stopped)
+                   while the engine still waits on the dump.
+- restore/before:  nothing restored yet.
+- restore/after:   the tree is restored (stopped) but its PID not yet reported, so the
+                   engine still waits on the restore.
+
+Every point is passed once per arming: `arm()` again to hold the next operation too.
+Kill the operation (timeout, cancel) only while it is held: the wrapper runs the real
+criu as its child at dump/after, and killing the wrapper then would orphan it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shlex
+import time
+from pathlib import Path
+
+from jupyter_cedana.engine import CheckpointEngine
+
+OPS = ("dump", "restore")
+POINTS = ("before", "after")
+
+_SCRIPT = r"""#!/bin/bash
+# criu stand-in for tests (tests/criu_hold.py): holds dump/restore at armed points.
+DIR=@DIR@
+REAL=@REAL@
+op=
+for a in "$@"; do case "$a" in -*) ;; *) op=$a; break ;; esac; done
+hold() {
+  if [ -e "$DIR/arm-$op-$1" ]; then
+    rm -f "$DIR/arm-$op-$1"
+    : >"$DIR/reached-$op-$1"
+    while [ ! -e "$DIR/release-$op-$1" ]; do sleep 0.01; done
+    rm -f "$DIR/release-$op-$1"
+  fi
+}
+case "$op" in dump|restore) ;; *) exec "$REAL" "$@" ;; esac
+hold before
+[ -e "$DIR/arm-$op-after" ] || exec "$REAL" "$@"
+if [ "$op" = dump ]; then
+  "$REAL" "$@"
+  rc=$?
+  hold after
+  exit $rc
+fi
+# restore: CRIU stays in the foreground as the restored tree's parent, and the engine
+# learns the tree's PID from --pidfile: hold that file back until released.
+args=()
+prev=
+for a in "$@"; do
+  if [ "$prev" = --pidfile ]; then pidfile=$a; a=$a.held; fi
+  args+=("$a")
+  prev=$a
+done
+rm -f "$pidfile.held"
+"$REAL" "${args[@]}" &
+criu=$!
+while [ ! -s "$pidfile.held" ] && kill -0 $criu 2>/dev/null; do sleep 0.01; done
+if [ -s "$pidfile.held" ]; then
+  hold after
+  mv "$pidfile.held" "$pidfile"
+fi
+wait $criu
+"""
+
+
+class CriuHold:
+    """The wrapper, and the files that arm, observe and release its hold points."""
+
+    def __init__(self, directory: Path, real_criu: str | None = None):
+        self.dir = directory
+        self.dir.mkdir(parents=True, exist_ok=True)
+        real = real_criu or CheckpointEngine().probe().criu_path
+        assert real, "no real criu to wrap"
+        self.wrapper = self.dir / "criu"
+        self.wrapper.write_text(
+            _SCRIPT.replace("@DIR@", shlex.quote(str(self.dir))).replace(
+                "@REAL@", shlex.quote(real)
+            )
+        )
+        self.wrapper.chmod(0o755)
+
+    def attach(self, engine: CheckpointEngine) -> None:
+        """Make `engine` run criu through the wrapper."""
+        engine.criu_path = str(self.wrapper)
+        engine.probe(refresh=True)
+
+    def _file(self, kind: str, op: str, point: str) -> Path:
+        assert op in OPS and point in POINTS, (op, point)
+        return self.dir / f"{kind}-{op}-{point}"
+
+    def arm(self, op: str, point: str) -> None:
+        """Hold the next `criu OP` at POINT."""
+        self._file("reached", op, point).unlink(missing_ok=True)
+        self._file("arm", op, point).touch()
+
+    def reached(self, op: str, point: str) -> bool:
+        return self._file("reached", op, point).exists()
+
+    async def wait_reached(self, op: str, point: str, timeout: float = 120) -> None:
+        """Wait until the held operation is at POINT (the bound only catches a hold that
+        is never reached: the operation failed before it)."""
+        deadline = time.monotonic() + timeout
+        while not self.reached(op, point):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"criu {op} never reached {point}")
+            await asyncio.sleep(0.01)
+
+    def release(self, op: str, point: str) -> None:
+        self._file("release", op, point).touch()
+
+    def disarm(self) -> None:
+        """Release everything held and hold nothing more (test teardown)."""
+        for op in OPS:
+            for point in POINTS:
+                self._file("arm", op, point).unlink(missing_ok=True)
+                if self.reached(op, point):
+                    self.release(op, point)
