@@ -7,7 +7,9 @@ every page resident and incompressible), through the extension's own provisioner
 
   suspend     `sync`, then suspend(): seconds until the image is durable (files, manifest
               and directories fsynced) and the kernel killed; beside it, a plain write +
-              fsync (+ directory fsync) of the same byte count. Breakdown: CRIU freezing,
+              fsync (+ directory fsync) of the same byte count, after the suspend in even
+              repeats and before it in odd ones (whichever goes second finds the disk
+              still busy with the first's gigabytes). Breakdown: CRIU freezing,
               CRIU memory dump (parasite + page transfer) and page write (stats-dump),
               checksum pass after the dump, fsync, kill; frozen = from CRIU's start
               (it freezes the tree at once) until the tree is gone.
@@ -89,17 +91,27 @@ def page_server_log(prov: Any) -> dict[str, Any]:
     }
 
 
-async def suspend_step(prov: Any, root: Path) -> dict[str, Any]:
+async def suspend_step(prov: Any, root: Path, plain_first: bool, guess: int) -> dict[str, Any]:
+    """Suspend and a plain write+fsync of as many bytes, in turns first: right after
+    gigabytes were written, the disk (its host's cache) may still be busy with them."""
+    plain = root / "plain-io.bin"
+
+    def plain_io(nbytes: int) -> tuple[float, float]:
+        os.sync()
+        out = plain_write_fsync(plain, nbytes)
+        plain.unlink()
+        return out
+
+    if plain_first:
+        write_s, durable_s = plain_io(guess)
     os.sync()  # no dirty pages of earlier steps: the same start as the plain write
     t = time.perf_counter()
     await prov.suspend(tier="disk")
     suspend_s = time.perf_counter() - t
     manifest = prov.engine.store.read_manifest(prov.kernel_id_str)
     image = int(manifest["total_bytes"])
-    plain = root / "plain-io.bin"
-    os.sync()
-    write_s, durable_s = plain_write_fsync(plain, image)
-    plain.unlink()
+    if not plain_first:
+        write_s, durable_s = plain_io(image)
     b = prov.last_suspend_breakdown or {}
     return {
         "image_bytes": image,
@@ -181,7 +193,8 @@ async def bench_size(size_gb: float, repeat: int, root: Path, cold: bool) -> dic
         print(f"\n== {size_gb:g} GB kernel: RSS {rss / GB:.3f} GB", flush=True)
         for i in range(repeat):
             r: dict[str, Any] = {"repeat": i}
-            r.update(await suspend_step(prov, root))
+            guess = rows[-1]["image_bytes"] if rows else rss
+            r.update(await suspend_step(prov, root, i % 2 == 1, guess))
             r.update(await resume_step(km, kc, root, r["image_bytes"], cold))
             if (await run(kc, PROBE)).strip() != expect:
                 raise RuntimeError("state after resume differs")
