@@ -185,32 +185,40 @@ class Conn:
         self, msg_id: str, timeout: float, on_busy: Any = None
     ) -> tuple[dict[str, Any], str]:
         """The reply to msg_id and its stdout, once the kernel went idle for it."""
-        reply: dict[str, Any] | None = None
-        idle = False
-        out = ""
+        return (await self.replies([msg_id], timeout, on_busy))[msg_id]
+
+    async def replies(
+        self, msg_ids: list[str], timeout: float, on_busy: Any = None
+    ) -> dict[str, tuple[dict[str, Any], str]]:
+        """Replies and stdout of several requests, read together (their messages
+        interleave), each done once the kernel went idle for it."""
+        got: dict[str, dict[str, Any]] = {
+            m: {"reply": None, "idle": False, "out": ""} for m in msg_ids
+        }
         deadline = time.monotonic() + timeout
-        while reply is None or not idle:
+        while not all(g["reply"] is not None and g["idle"] for g in got.values()):
             left = deadline - time.monotonic()
             if left <= 0:
-                raise Failure(f"no reply in {timeout:.0f} s (reply={reply is not None})")
+                raise Failure(f"no reply in {timeout:.0f} s: {got}")
             raw = await asyncio.wait_for(self.ws.read_message(), left)
             if raw is None:
                 raise Failure("websocket closed")
             msg = json.loads(raw)
-            if (msg.get("parent_header") or {}).get("msg_id") != msg_id:
+            g = got.get((msg.get("parent_header") or {}).get("msg_id"))
+            if g is None:
                 continue
             kind = msg["msg_type"]
             if kind.endswith("_reply"):
-                reply = msg["content"]
+                g["reply"] = msg["content"]
             elif kind == "stream":
-                out += msg["content"]["text"]
+                g["out"] += msg["content"]["text"]
             elif kind == "status":
                 state = msg["content"]["execution_state"]
                 if state == "busy" and on_busy is not None:
                     await on_busy()
                     on_busy = None
-                idle = idle or state == "idle"
-        return reply, out
+                g["idle"] = g["idle"] or state == "idle"
+        return {m: (g["reply"], g["out"]) for m, g in got.items()}
 
     async def execute(self, code: str, timeout: float, on_busy: Any = None) -> tuple[Any, str]:
         return await self.reply(
@@ -365,8 +373,7 @@ class Torture:
         info = conn.send("kernel_info_request", {})
         comm = conn.send("comm_info_request", {"target_name": "jupyter.widget"})
         if self.rng.random() < 0.5:
-            await conn.reply(info, self.timeout)
-            await conn.reply(comm, self.timeout)
+            await conn.replies([info, comm], self.timeout)
         conn.close()
         self._woke(kid, before, await self.state(kid))
 

@@ -24,6 +24,7 @@ from jupyter_cedana.cuda import CudaCheckpointer
 from jupyter_cedana.engine import CheckpointEngine
 from jupyter_cedana.gpu import GpuMonitor
 from jupyter_cedana.parking import KernelParking
+from jupyter_cedana.pids import KernelPids
 from jupyter_cedana.policy import SuspendPolicy
 
 DOCS = Path(__file__).resolve().parent
@@ -35,6 +36,7 @@ CLASSES: list[type[Configurable]] = [
     SuspendPolicy,
     KernelParking,
     CheckpointEngine,
+    KernelPids,
     GpuMonitor,
     CudaCheckpointer,
 ]

@@ -9,10 +9,11 @@ from typing import Any
 from jupyter_client.provisioning import KernelProvisionerFactory
 from jupyter_server.extension.application import ExtensionApp
 from jupyter_server.services.kernels.connection.channels import ZMQChannelsWebsocketConnection
+from tornado import web
 from traitlets import Bool, Unicode
 
 from .engine import CheckpointEngine
-from .gate import GatedWebsocketConnection, MessageGate
+from .gate import KERNEL_ACTIONS, GatedWebsocketConnection, MessageGate
 from .handlers import handlers
 from .manager import EVENT_SCHEMA_FILE, SuspendManager
 from .parking import KernelParking
@@ -94,6 +95,7 @@ class CedanaApp(ExtensionApp):
         if self.transparent_resume:
             self._install_gate()
         self._guard_culler()
+        self._guard_interrupt()
 
     def _install_gate(self) -> None:
         # ExtensionApp copies the server's settings into self.settings before
@@ -112,9 +114,12 @@ class CedanaApp(ExtensionApp):
             )
         self._server.kernel_websocket_connection_class = GatedWebsocketConnection
         self.settings["kernel_websocket_connection_class"] = GatedWebsocketConnection
-        gate = MessageGate(self.manager, self.log)
         assert self.manager is not None
-        self.manager.on_resumed(gate.release)
+        gate = MessageGate(self.manager, self.log)
+        self.manager.add_suspend_guard(gate.busy)
+        event_logger = getattr(self.serverapp, "event_logger", None)
+        if event_logger is not None:
+            event_logger.add_listener(schema_id=KERNEL_ACTIONS, listener=gate.on_kernel_action)
         self.settings["cedana_gate"] = gate
 
     def _guard_culler(self) -> None:
@@ -130,6 +135,25 @@ class CedanaApp(ExtensionApp):
             return await original(kernel_id)
 
         mkm.cull_kernel_if_idle = cull_kernel_if_idle  # type: ignore[method-assign]
+
+    def _guard_interrupt(self) -> None:
+        """A kernel that is not running has nothing to interrupt: say so with a 409 (the
+        provisioner refuses the signal; jupyter_server would answer 500)."""
+        mkm = self._server.kernel_manager
+        original = mkm.interrupt_kernel
+        manager = self.manager
+
+        async def interrupt_kernel(kernel_id: str) -> Any:
+            state = manager.state_of(kernel_id) if manager is not None else "running"
+            if state not in ("running", "unknown"):
+                raise web.HTTPError(
+                    409,
+                    f"Kernel {kernel_id} is {state}: nothing runs in it to interrupt. "
+                    "It resumes by itself when it is sent a cell.",
+                )
+            return await original(kernel_id)
+
+        mkm.interrupt_kernel = interrupt_kernel  # type: ignore[method-assign]
 
     def initialize_handlers(self) -> None:
         self.handlers.extend(handlers(""))
@@ -148,6 +172,9 @@ class CedanaApp(ExtensionApp):
         await asyncio.shield(self._stopping)
 
     async def _stop(self) -> None:
+        gate = self.settings.get("cedana_gate")
+        if gate is not None:
+            await gate.close()
         if self.manager is None:
             return
         loop_stopped = asyncio.ensure_future(self.manager.stop())

@@ -33,6 +33,7 @@ from .errors import (
 )
 from .gpu_steps import GpuSteps
 from .integrity import is_page_file
+from .pids import check_free, task_ids
 from .proctree import process_tree
 from .transitions import KernelState
 
@@ -234,6 +235,7 @@ class Checkpointing(GpuSteps):
                     "kernel_name": self._spec_name(),
                     "criu_version": engine.probe().criu_version,
                     "pidns": engine.pidns,
+                    "task_ids": [] if engine.pidns else task_ids(self.pid or 0),
                     "ports": self._ports(),
                     "gpu": gpu_state,
                     "timings": {"dump_s": dumped.seconds, **dump_breakdown(tmp)},
@@ -340,6 +342,7 @@ class Checkpointing(GpuSteps):
         t0 = time.monotonic()
         try:
             manifest = store.check_sizes(kid)
+            check_free(manifest.get("task_ids"))
             gpu_state = manifest.get("gpu") or self._gpu_state
             gpu, plan = await self._admit(gpu_state)
         except InsufficientGpuMemory as e:

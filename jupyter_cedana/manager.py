@@ -58,10 +58,20 @@ class SuspendManager(LoggingConfigurable):
         self._last_progress_event: dict[str, float] = {}
         self._previous_state: dict[str, str] = {}
         self._resume_listeners: list[Any] = []
+        self._suspend_guards: list[Any] = []
 
     def on_resumed(self, callback: Any) -> None:
         """callback(kernel_id) after every successful resume, whoever asked for it."""
         self._resume_listeners.append(callback)
+
+    def add_suspend_guard(self, guard: Any) -> None:
+        """guard(kernel_id) -> True while the policy must not suspend that kernel (the
+        message gate: messages held, being delivered, or a client connecting)."""
+        self._suspend_guards.append(guard)
+
+    def transition_pending(self, kernel_id: str) -> bool:
+        """Whether a suspend or resume of the kernel is started and not finished."""
+        return any(k.startswith(f"{kernel_id}:") for k in self._tasks)
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -352,6 +362,8 @@ class SuspendManager(LoggingConfigurable):
             decision = self.policy.decide(self._facts(kid, kernel))
             self._decisions[kid] = decision
             if decision.action is None or any(k.startswith(kid) for k in self._tasks):
+                continue
+            if decision.action != "shutdown" and any(g(kid) for g in self._suspend_guards):
                 continue
             self.log.info("Policy: %s kernel %s (%s)", decision.action, kid, decision.reason)
             if decision.action == "shutdown":

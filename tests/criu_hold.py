@@ -3,7 +3,7 @@ test acts (restart, shutdown, cancel, time out) exactly while the operation is i
 
 A wrapper script stands in for criu (set CheckpointEngine.criu_path to it, or use the
 `criu_hold` fixture in conftest.py). For an armed point it creates `reached-OP-POINT`
-when there and waits until `release-OP-POINT` exists. Points:
+when there and waits until `release-OP-POINT` exists (saying "fail": criu fails). Points:
 
 - dump/before:     nothing dumped yet, the kernel runs.
 - dump/after:      CRIU has dumped and exited; the tree is left stopped (--leave-stopped)
@@ -40,7 +40,9 @@ hold() {
     rm -f "$DIR/arm-$op-$1"
     : >"$DIR/reached-$op-$1"
     while [ ! -e "$DIR/release-$op-$1" ]; do sleep 0.01; done
+    verdict=$(cat "$DIR/release-$op-$1")
     rm -f "$DIR/release-$op-$1"
+    if [ "$verdict" = fail ]; then echo "criu_hold: criu $op failed" >&2; exit 1; fi
   fi
 }
 case "$op" in dump|restore) ;; *) exec "$REAL" "$@" ;; esac
@@ -115,8 +117,11 @@ class CriuHold:
                 raise TimeoutError(f"criu {op} never reached {point}")
             await asyncio.sleep(0.01)
 
-    def release(self, op: str, point: str) -> None:
-        self._file("release", op, point).touch()
+    def release(self, op: str, point: str, fail: bool = False) -> None:
+        """Let the held operation go on, or (fail) exit as a failed criu would."""
+        tmp = self._file("verdict", op, point)
+        tmp.write_text("fail" if fail else "")
+        tmp.rename(self._file("release", op, point))
 
     def disarm(self) -> None:
         """Release everything held and hold nothing more (test teardown)."""

@@ -291,3 +291,37 @@ def test_failed_resume_shows_the_reason(page: Any, lab_server: LabServer) -> Non
     assert kernel["state"] == "failed", kernel
     assert kernel["reason"] and kernel["reason"][:60] in message, kernel
     assert any(p.exists() for p in corrupted)
+
+
+def test_reload_leaves_a_suspended_kernel_suspended(page: Any, lab_server: LabServer) -> None:
+    """Reloading the page reconnects to the kernel (kernel_info, debugger probes): the
+    kernel stays suspended and JupyterLab shows it connected and idle. The next cell
+    resumes it, with its state."""
+    name = _write_notebook(lab_server, "reload.ipynb", ["w = 'kept'", "print(w * 2)"])
+    kernel_id = _open_notebook(page, lab_server, name)
+    _run_cell(page, 0)
+    _cells(page).nth(0).locator(".jp-InputPrompt", has_text="[1]").wait_for(timeout=60_000)
+    _wait_execution_state(lab_server, kernel_id, "idle")
+    status, kernel = lab_server.request("POST", f"api/cedana/kernels/{kernel_id}/suspend")
+    assert status == 200 and kernel["state"] == "suspended", kernel
+
+    with page.expect_websocket(
+        lambda ws: f"/api/kernels/{kernel_id}/channels" in ws.url, timeout=60_000
+    ):
+        page.reload()
+    _notebook(page).wait_for(state="visible", timeout=60_000)
+    # JupyterLab got its kernel_info answer: the kernel shows connected and idle.
+    _notebook(page).locator('.jp-Notebook-ExecutionIndicator[data-status="idle"]').wait_for(
+        timeout=60_000
+    )
+    indicator = _notebook(page).locator(".jp-NotebookPanel-toolbar .jp-cedana-indicator")
+    indicator.wait_for(state="visible")
+    assert indicator.inner_text().strip() == "Suspended"
+    kernel = _kernel(lab_server, kernel_id)
+    assert kernel["state"] == "suspended", kernel
+    assert kernel["last_resume_seconds"] is None, kernel
+
+    _run_cell(page, 1)
+    _cell_output(page, 1).filter(has_text="keptkept").wait_for(timeout=SUSPEND_TIMEOUT_MS)
+    kernel = _kernel(lab_server, kernel_id)
+    assert kernel["state"] == "running" and kernel["last_resume_seconds"] is not None, kernel
