@@ -252,7 +252,7 @@ static int finished, failed;
 static const char *pause_file, *pidfile;
 static int rootfd = -1;
 static uint64_t bytes_done, bytes_total, last_progress;
-static struct span cursor;	     /* where the loaders claim their next block */
+static struct span cursor;	     /* where the reader claims its next block */
 static struct span claimed[SLOTS]; /* blocks being read or copied (hi == 0: a free slot) */
 static int ready[SLOTS];	   /* read and checked, to be copied */
 static uint64_t claim_seq[SLOTS], next_seq;
@@ -716,10 +716,10 @@ static int fault(struct task *t, uint64_t page, unsigned char *buf)
 	uint64_t lo = at - at % chunk_size, hi = lo + chunk_size;
 	if (hi > files[r.file].size)
 		hi = files[r.file].size;
-	/* A loader is reading this chunk already: its copy wakes the faulting thread. */
+	/* The reader has this chunk in hand already: its copy wakes the faulting thread. */
 	if (in_claimed(r.file, lo))
 		return 0;
-	/* The loaders go on from here: a walk through memory finds it coming in ahead. */
+	/* The reader goes on from here: a walk through memory finds it coming in ahead. */
 	if (!in_claimed(r.file, hi))
 		cursor = (struct span){r.file, hi, hi};
 	pthread_mutex_unlock(&mu);
@@ -930,7 +930,7 @@ static void from_criu(void)
 	pthread_mutex_unlock(&mu);
 }
 
-/* -- background transfer (loader threads) ----------------------------------------------- */
+/* -- background transfer (reader and copier threads) ---------------------------------- */
 
 static int paused(void)
 {
@@ -945,7 +945,7 @@ static int work_left(void)
 	return 0;
 }
 
-static int busy_loaders(void)
+static int busy_slots(void)
 {
 	int n = 0;
 	for (int i = 0; i < SLOTS; i++)
@@ -954,7 +954,7 @@ static int busy_loaders(void)
 }
 
 /* The next block to load: the first piece of any task's runs at or after the cursor
- * that no loader holds; wrapping to the start once nothing is left after it. */
+ * that no slot holds; wrapping to the start once nothing is left after it. */
 static int claim(int me, struct span *out)
 {
 	for (int pass = 0; pass < 2; pass++) {
@@ -1193,7 +1193,7 @@ int main(int argc, char **argv)
 			say("exited");
 			exit(3);
 		}
-		if (finished && !work_left() && !busy_loaders()) {
+		if (finished && !work_left() && !busy_slots()) {
 			double secs = now_s() - t_start;
 			report_progress(1);
 			struct rusage ru;
