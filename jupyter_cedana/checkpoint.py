@@ -9,47 +9,44 @@ import os
 import re
 import shutil
 import socket
-import threading
 import time
-import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from .errors import CheckpointCorrupt, InvalidId, NotFound
+from .integrity import (
+    CHUNK_SIZE,
+    FollowingHasher,
+    chunk_crcs,
+    file_crc32,
+    first_bad_chunk,
+    is_page_file,
+    read_table,
+    table_name,
+    write_table,
+)
+
+__all__ = ["CheckpointStore", "FollowingHasher", "file_crc32", "validate_kernel_id"]
 
 MANIFEST = "manifest.json"
-FORMAT_VERSION = 1
+# 2: page files carry per-chunk CRC tables (lazy restore checks pages as it serves them);
+# images of format 1 (one CRC per file) are still read, and restored eagerly.
+FORMAT_VERSION = 2
+READABLE_FORMATS = (1, 2)
 # Written into every checkpoint root: what lets `jupyter cedana gc` tell a root of ours
 # (whose logs and pid files it may clean) from a directory it was pointed at by mistake.
 ROOT_MARKER = ".jupyter-cedana"
 # Kernel ids are uuid4 strings in Jupyter; anything that could climb out of the root or
 # hide as a dot-file is refused before it is joined to a path.
 _ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,127}$")
-_CHUNK = 4 << 20
 
 
 def validate_kernel_id(kernel_id: str) -> str:
     if not isinstance(kernel_id, str) or not _ID_RE.match(kernel_id):
         raise InvalidId(f"Invalid kernel id: {kernel_id!r}")
     return kernel_id
-
-
-def file_crc32(path: Path, on_bytes: Callable[[int], None] | None = None) -> int:
-    """CRC-32 of a file: catches truncation and bit rot at several GB/s, unlike sha256."""
-    crc = 0
-    with open(path, "rb", buffering=0) as f:
-        buf = bytearray(_CHUNK)
-        view = memoryview(buf)
-        while True:
-            n = f.readinto(buf)
-            if not n:
-                break
-            crc = zlib.crc32(view[:n], crc)
-            if on_bytes is not None:
-                on_bytes(n)
-    return crc
 
 
 def fsync_path(path: Path, directory: bool = False) -> None:
@@ -67,57 +64,6 @@ def _write_durably(path: Path, manifest: dict[str, Any]) -> None:
         json.dump(manifest, f, indent=1)
         f.flush()
         os.fsync(f.fileno())
-
-
-class FollowingHasher:
-    """CRC-32 of CRIU's page files while CRIU is still writing them (they only grow), so
-    that committing an image does not read gigabytes a second time."""
-
-    PATTERN = "pages-*.img"
-
-    def __init__(self, directory: Path):
-        self._dir = directory
-        self._done = threading.Event()
-        self._sums: dict[str, tuple[int, int]] = {}  # name -> (bytes hashed, crc)
-        self._thread = threading.Thread(target=self._run, name="cedana-crc", daemon=True)
-
-    def start(self) -> FollowingHasher:
-        self._thread.start()
-        return self
-
-    def finish(self) -> dict[str, tuple[int, int]]:
-        """Call once the writer has exited: hashes what is left and returns the sums."""
-        self._done.set()
-        self._thread.join()
-        return dict(self._sums)
-
-    def _run(self) -> None:
-        handles: dict[str, Any] = {}
-        buf = bytearray(_CHUNK)
-        view = memoryview(buf)
-        try:
-            while True:
-                last_pass = self._done.is_set()
-                progressed = False
-                for path in sorted(self._dir.glob(self.PATTERN)):
-                    f = handles.get(path.name)
-                    if f is None:
-                        f = handles[path.name] = open(path, "rb", buffering=0)  # noqa: SIM115
-                    hashed, crc = self._sums.get(path.name, (0, 0))
-                    while n := f.readinto(buf):
-                        crc = zlib.crc32(view[:n], crc)
-                        hashed += n
-                        progressed = True
-                    self._sums[path.name] = (hashed, crc)
-                if last_pass:
-                    return
-                if not progressed:
-                    self._done.wait(0.005)
-        except OSError:
-            self._sums.clear()  # commit() then hashes everything itself
-        finally:
-            for f in handles.values():
-                f.close()
 
 
 @dataclass
@@ -171,26 +117,36 @@ class CheckpointStore:
         kernel_id: str,
         tmp: Path,
         manifest: dict[str, Any],
-        known: dict[str, tuple[int, int]] | None = None,
+        known: dict[str, tuple[int, list[int]]] | None = None,
     ) -> dict[str, Any]:
-        """Checksum every image file (reusing `known` (size, crc) pairs that still match
-        the file's size), write the manifest, and rename the directory into place.
+        """Checksum every image file: page files by chunk, into a table beside them
+        (reusing `known` (size, chunk CRCs) of a page file hashed while it was written, if
+        the size still matches), the others whole; write the manifest, and rename the
+        directory into place.
 
         Returns only once the image is durable (files, directory and rename fsynced): the
         caller kills the kernel next, and the machine may go away right after."""
         t0 = time.monotonic()
-        files: dict[str, dict[str, int]] = {}
+        files: dict[str, dict[str, Any]] = {}
         total = 0
-        for entry in sorted(tmp.iterdir()):
-            if not entry.is_file() or entry.name == MANIFEST:
+        entries = sorted(e for e in tmp.iterdir() if e.is_file() and e.name != MANIFEST)
+        for entry in entries:
+            if not is_page_file(entry.name):
                 continue
+            size = entry.stat().st_size
+            hashed, crcs = (known or {}).get(entry.name, (-1, []))
+            if hashed != size:
+                size, crcs = chunk_crcs(entry)
+            table = table_name(entry.name)
+            write_table(tmp / table, CHUNK_SIZE, size, crcs)
+            files[entry.name] = {"size": size, "chunk_size": CHUNK_SIZE, "chunks": table}
+            entries.append(tmp / table)
+        for entry in entries:
             os.chmod(entry, 0o600)
             size = entry.stat().st_size
-            hashed, crc = (known or {}).get(entry.name, (-1, 0))
-            if hashed != size:
-                crc = file_crc32(entry)
-            files[entry.name] = {"size": size, "crc32": crc}
             total += size
+            if entry.name not in files:
+                files[entry.name] = {"size": size, "crc32": file_crc32(entry)}
         checksum_s = time.monotonic() - t0
         for name in files:
             fsync_path(tmp / name)
@@ -229,7 +185,7 @@ class CheckpointStore:
             raise NotFound(f"No checkpoint for kernel {kernel_id}") from None
         except (OSError, ValueError) as e:
             raise CheckpointCorrupt(f"Checkpoint manifest of {kernel_id} is unreadable: {e}") from e
-        if manifest.get("format") != FORMAT_VERSION or manifest.get("kernel_id") != kernel_id:
+        if manifest.get("format") not in READABLE_FORMATS or manifest.get("kernel_id") != kernel_id:
             raise CheckpointCorrupt(
                 f"Checkpoint manifest of {kernel_id} does not match this kernel"
             )
@@ -277,12 +233,69 @@ class CheckpointStore:
             if progress is not None:
                 progress(done, total)
 
-        for name, meta in manifest["files"].items():
-            if file_crc32(base / name, advance) != meta["crc32"]:
+        # Chunk tables before the page files they describe.
+        for name, meta in sorted(manifest["files"].items(), key=lambda kv: "chunks" in kv[1]):
+            if "chunks" in meta:
+                bad = self._bad_chunk(kernel_id, manifest, name, advance)
+                if bad is not None:
+                    raise CheckpointCorrupt(self._bad_chunk_message(kernel_id, name, meta, bad))
+            elif file_crc32(base / name, advance) != meta["crc32"]:
                 raise CheckpointCorrupt(
                     f"Checkpoint of {kernel_id} is corrupted: checksum mismatch in {name}"
                 )
         return manifest
+
+    def chunk_table(self, kernel_id: str, manifest: dict[str, Any], name: str) -> list[int]:
+        """The chunk CRCs of page file `name`, from its table (whose own CRC the caller
+        has checked, e.g. by verify_small_files)."""
+        meta = manifest["files"][name]
+        try:
+            chunk_size, size, crcs = read_table(self.path(kernel_id) / meta["chunks"])
+        except (OSError, ValueError) as e:
+            raise CheckpointCorrupt(f"Checkpoint of {kernel_id} is damaged: {e}") from e
+        if chunk_size != meta["chunk_size"] or size != meta["size"]:
+            raise CheckpointCorrupt(
+                f"Checkpoint of {kernel_id} is damaged: {meta['chunks']} does not match {name}"
+            )
+        return crcs
+
+    def verify_small_files(self, kernel_id: str, manifest: dict[str, Any]) -> None:
+        """CRC of every file that is not a page file (page files are checked by chunk)."""
+        base = self.path(kernel_id)
+        for name, meta in manifest["files"].items():
+            small = "crc32" in meta and not is_page_file(name)
+            if small and file_crc32(base / name) != meta["crc32"]:
+                raise CheckpointCorrupt(
+                    f"Checkpoint of {kernel_id} is corrupted: checksum mismatch in {name}"
+                )
+
+    def verify_chunks(
+        self, kernel_id: str, manifest: dict[str, Any], name: str, chunks: set[int]
+    ) -> None:
+        """Check just these chunks of page file `name`."""
+        bad = self._bad_chunk(kernel_id, manifest, name, None, chunks)
+        if bad is not None:
+            meta = manifest["files"][name]
+            raise CheckpointCorrupt(self._bad_chunk_message(kernel_id, name, meta, bad))
+
+    def _bad_chunk(
+        self,
+        kernel_id: str,
+        manifest: dict[str, Any],
+        name: str,
+        advance: Callable[[int], None] | None,
+        only: set[int] | None = None,
+    ) -> int | None:
+        crcs = self.chunk_table(kernel_id, manifest, name)
+        chunk_size = manifest["files"][name]["chunk_size"]
+        return first_bad_chunk(self.path(kernel_id) / name, chunk_size, crcs, advance, only)
+
+    @staticmethod
+    def _bad_chunk_message(kernel_id: str, name: str, meta: dict[str, Any], bad: int) -> str:
+        return (
+            f"Checkpoint of {kernel_id} is corrupted: checksum mismatch in {name} at offset "
+            f"{bad * meta['chunk_size']} (chunk {bad})"
+        )
 
     def work_dir(self, kernel_id: str) -> Path:
         """CRIU's logs and statistics of a restore: kept out of the image directory, which

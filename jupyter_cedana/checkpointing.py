@@ -18,8 +18,10 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from . import lazy
+from .crimg import dump_breakdown
 from .cuda import CudaStateLeft
-from .engine import CheckpointEngine, dir_bytes, kill_restore
+from .engine import CheckpointEngine, DumpResult, dir_bytes, kill_restore
 from .errors import (
     CedanaError,
     CheckpointCorrupt,
@@ -31,6 +33,7 @@ from .errors import (
     SuspendFailed,
 )
 from .gpu_steps import GpuSteps
+from .integrity import is_page_file
 from .pids import check_free, task_ids
 from .proctree import process_tree
 from .transitions import KernelState
@@ -45,6 +48,9 @@ class Checkpointing(GpuSteps):
     parent: Any
     suspended_at: float | None = None
     last_suspend_seconds: float | None = None
+    # Where the last suspend's time went (seconds), for benchmarks and logs.
+    last_suspend_breakdown: dict[str, float] | None = None
+    last_resume_breakdown: dict[str, Any] | None = None
     last_resume_seconds: float | None = None
     checkpoint_bytes: int = 0
     gpu_memory_freed: int = 0
@@ -52,6 +58,7 @@ class Checkpointing(GpuSteps):
     # (kernel id, image bytes) -> None, or raises to refuse a dumped image before it is
     # committed (the checkpoint budget; set by the suspend manager).
     image_guard: Callable[[str, int], None] | None = None
+    _loading: asyncio.Future[None] | None = None  # a lazy restore's pages coming in
 
     @property
     def engine(self) -> CheckpointEngine:
@@ -94,6 +101,7 @@ class Checkpointing(GpuSteps):
             )
 
     async def _suspend(self, tier: str) -> dict[str, Any]:
+        await self.memory_loaded()
         if self.state == KernelState.suspended and (self.tier == tier or tier == "offload"):
             raise Conflict(f"Kernel {self.kernel_id} is already suspended ({self.tier})")
         if self.state == KernelState.failed:
@@ -174,7 +182,7 @@ class Checkpointing(GpuSteps):
         tmp = None
         try:
             tmp = store.begin(kid)  # a full disk fails here, after the offload: undo it
-            dump_s, sums = await engine.dump(self.pid or 0, tmp, progress=self._set_progress)
+            dumped = await engine.dump(self.pid or 0, tmp, progress=self._set_progress)
             if self.image_guard is not None:
                 self.image_guard(kid, dir_bytes(tmp))
         except BaseException as e:
@@ -185,7 +193,7 @@ class Checkpointing(GpuSteps):
         # From here on the suspend completes (or fails) as a whole: a cancellation that
         # arrives meanwhile takes effect after it, on a suspended kernel.
         return await _uncancellable(
-            self._commit_dump(tmp, pids, gpu, gpu_state, from_offload, dump_s, sums, t0)
+            self._commit_dump(tmp, pids, gpu, gpu_state, from_offload, dumped, t0)
         )
 
     async def _undo_dump(
@@ -215,14 +223,15 @@ class Checkpointing(GpuSteps):
         gpu: Any,
         gpu_state: dict[str, Any] | None,
         from_offload: bool,
-        dump_s: float,
-        sums: dict[str, tuple[int, int]],
+        dumped: DumpResult,
         t0: float,
     ) -> dict[str, Any]:
         engine = self.engine
         store = engine.store
         kid = self.kernel_id_str
+        t_dumped = time.monotonic()
         try:
+            self._set_progress("verify", None, None)
             self._set_progress("verify", None, None)
             manifest = await asyncio.to_thread(
                 store.commit,
@@ -235,19 +244,30 @@ class Checkpointing(GpuSteps):
                     "task_ids": [] if engine.pidns else task_ids(self.pid or 0),
                     "ports": self._ports(),
                     "gpu": gpu_state,
-                    "timings": {"dump_s": dump_s},
+                    "timings": {"dump_s": dumped.seconds, **dump_breakdown(tmp)},
+                    "zero_bytes": dumped.zero_bytes,
                 },
-                sums,
+                dumped.sums,
             )
         except BaseException as e:
             await self._undo_dump(e, tmp, pids, gpu, gpu_state if not from_offload else None)
             raise SuspendFailed(f"Suspend of kernel {kid} failed: {e}") from e
         # The image is safe on disk: only now does the kernel's memory go.
+        t_commit = time.monotonic()
         self._kill_tree(self.pid or 0)
         if self.process is not None:
             with contextlib.suppress(Exception):
                 await asyncio.to_thread(self.process.wait, 10)
             self.process = None
+        t_killed = time.monotonic()
+        self.last_suspend_breakdown = {
+            **manifest["timings"],
+            "before_dump_s": t_dumped - dumped.seconds - t0,  # GPU offload, dump queue
+            "commit_s": t_commit - t_dumped,
+            "kill_s": t_killed - t_commit,
+            # From CRIU's start (it freezes the tree at once) until the tree is gone.
+            "frozen_s": dumped.seconds + t_killed - t_dumped,
+        }
         self._reserve_ports()
         self._gpu_state = gpu_state
         self.tier = "disk"
@@ -339,7 +359,8 @@ class Checkpointing(GpuSteps):
             self._fail_resume(kid, previous, e)
             raise self._as_resume_error(kid, e) from e
         # CRIU restores (leaving the tree stopped) while the checksums are verified: both
-        # read the same pages, so a cold image is read from disk once, not twice.
+        # read the same pages, so a cold image is read from disk once, not twice. A lazy
+        # restore checks what CRIU reads before it starts; the pages, as they are served.
         loop = asyncio.get_running_loop()
         self._set_progress("restore", 0, int(manifest["total_bytes"]) or None)
 
@@ -350,7 +371,9 @@ class Checkpointing(GpuSteps):
                 raise ResumeFailed("checksum verification abandoned")
             loop.call_soon_threadsafe(self._set_progress, "restore", done, total)
 
-        verify = asyncio.ensure_future(asyncio.to_thread(store.verify, kid, verified))
+        verify: asyncio.Future[Any] = loop.create_future()
+        verify.set_result(None)
+        pages: lazy.PageServer | None = None
         proc: subprocess.Popen[bytes] | None = None
         restored: asyncio.Future[int] | None = None
         pid: int | None = None
@@ -359,8 +382,19 @@ class Checkpointing(GpuSteps):
             work = store.work_dir(kid)
             pidfile = work / "restored.pid"
             pidfile.unlink(missing_ok=True)
+            if self._restores_lazily(manifest, gpu_state):
+                lazy_plan = await asyncio.to_thread(
+                    lazy.check_before_restore, store, kid, manifest, work
+                )
+                pages = lazy.PageServer(
+                    engine.pages_binary(), images, work, pidfile, lazy_plan, self.log
+                )
+                await pages.start(verified)
+            else:
+                verify = asyncio.ensure_future(asyncio.to_thread(store.verify, kid, verified))
+            t_checked = time.monotonic()
             self._release_ports()
-            proc = engine.start_restore(images, work, pidfile)
+            proc = engine.start_restore(images, work, pidfile, lazy=pages is not None)
             restored = asyncio.ensure_future(engine.wait_restored(proc, work, pidfile))
             # A checksum mismatch stops the restore at once, whatever CRIU is doing.
             await asyncio.wait({restored, verify}, return_when=asyncio.FIRST_EXCEPTION)
@@ -371,6 +405,7 @@ class Checkpointing(GpuSteps):
                 await verify
             pid = await restored
             await verify
+            t_restored = time.monotonic()
             before, after = self._gpu_restore_step(gpu, gpu_state, pid, plan)
             await self._continue_restored(pid, before=before)
             if after is not None:
@@ -389,6 +424,8 @@ class Checkpointing(GpuSteps):
             if proc is not None:
                 await asyncio.to_thread(kill_restore, proc)
             await _gone(restored_pids)
+            if pages is not None:
+                await pages.stop()
             pending: set[asyncio.Future[Any]] = {verify}
             if restored is not None:
                 pending.add(restored)
@@ -406,17 +443,82 @@ class Checkpointing(GpuSteps):
         self.pid = pid
         self._gpu_state = None
         self.last_resume_seconds = time.monotonic() - t0
-        if not engine.keep_image_after_resume:
-            # The kernel runs already; gigabytes of deletion need not delay its first output.
-            doomed = store.detach_image(kid)
-            if doomed is not None:
-                self._background(asyncio.to_thread(shutil.rmtree, doomed, True))
-            self.checkpoint_bytes = 0
+        self.last_resume_breakdown = {
+            "lazy": pages is not None,
+            "check_s": t_checked - t0,  # sizes, admission, what a lazy restore checks first
+            "restore_s": t_restored - t_checked,  # CRIU (and a whole restore's checksums)
+            "continue_s": time.monotonic() - t_restored,
+        }
+        if pages is not None:
+            # The image stays until every page is in.
+            self._loading = asyncio.ensure_future(self._load_memory(pages, proc, pid))
+        elif not engine.keep_image_after_resume:
+            self._discard_image_later()
         self.tier = None
         self.suspended_at = None
         self._set_state(KernelState.running)
         self.log.info("Resumed kernel %s in %.2f s (pid %s)", kid, self.last_resume_seconds, pid)
         return self.summary()
+
+    def _restores_lazily(self, manifest: dict[str, Any], gpu_state: Any) -> bool:
+        # GPU checkpoints: the CUDA restore reads the process's memory right away, and
+        # has not been checked against pages served by userfaultfd.
+        page_files = [m for n, m in manifest["files"].items() if is_page_file(n)]
+        chunked = bool(page_files) and all("chunks" in m for m in page_files)
+        return chunked and not gpu_state and self.engine.lazy_unsupported() is None
+
+    def _discard_image_later(self) -> None:
+        # The kernel runs already; gigabytes of deletion need not delay its first output.
+        doomed = self.engine.store.detach_image(self.kernel_id_str)
+        if doomed is not None:
+            self._background(asyncio.to_thread(shutil.rmtree, doomed, True))
+        self.checkpoint_bytes = 0
+
+    async def _load_memory(
+        self, pages: lazy.PageServer, proc: subprocess.Popen[bytes], pid: int
+    ) -> None:
+        """Wait for a lazily restored kernel's memory to be in; then the image goes. If
+        it cannot all come in, the kernel is killed (it must not run on with wrong or
+        missing memory) and goes to `failed`, keeping its image."""
+        kid = self.kernel_id_str
+        try:
+            seconds = await asyncio.shield(pages.done)
+        except lazy.KernelExited:
+            await pages.stop()  # shut down or crashed meanwhile: nothing to load into
+            return
+        except BaseException as e:
+            restored = process_tree(pid)
+            self._kill_tree(pid)
+            await _gone(restored)
+            await pages.stop()
+            with contextlib.suppress(Exception):
+                await asyncio.to_thread(proc.wait, 10)
+            if self.process is proc:
+                self.process = None
+            self._reserve_ports()
+            reason = getattr(e, "message", None) or str(e) or type(e).__name__
+            self.log.error("Kernel %s killed, its image kept: %s", kid, reason)
+            if self.state == KernelState.running:
+                self._set_state(KernelState.failed, reason=reason)
+            return
+        finally:
+            self._loading = None
+        await pages.stop()
+        self.log.info(
+            "Kernel %s: all %.1f MB of its memory in, %.2f s after the page server started",
+            kid,
+            pages.bytes_done / 1e6,
+            seconds,
+        )
+        if not self.engine.keep_image_after_resume:
+            self._discard_image_later()
+
+    async def memory_loaded(self) -> None:
+        """Returns once a lazily restored kernel's memory is all in (at once otherwise).
+        A suspend waits for it: the image being loaded goes away then, and a new dump
+        must not go with it."""
+        if self._loading is not None:
+            await asyncio.shield(self._loading)
 
     def _background(self, work: Awaitable[Any]) -> None:
         task = asyncio.ensure_future(work)

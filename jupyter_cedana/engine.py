@@ -23,8 +23,9 @@ from jupyter_core.paths import jupyter_data_dir
 from traitlets import Bool, Float, Integer, List, Unicode, default
 from traitlets.config import SingletonConfigurable
 
-from .checkpoint import CheckpointStore, FollowingHasher
+from .checkpoint import CheckpointStore
 from .errors import EngineUnavailable, ResumeFailed, SuspendFailed
+from .integrity import FollowingHasher
 
 MIN_CRIU = (4, 2)
 # Where scripts/grant-criu-caps.sh puts the copy of criu that carries file capabilities.
@@ -33,6 +34,13 @@ _PACKAGE_BIN = Path(__file__).parent / "bin"
 _NO_PLUGINS = Path(__file__).parent / "criu_plugins"  # holds no .so: CRIU loads nothing
 
 ProgressCallback = Callable[[str, int | None, int | None], None]
+
+
+@dataclass
+class DumpResult:
+    seconds: float  # CRIU's run
+    sums: dict[str, tuple[int, list[int]]]  # page file -> (size, chunk CRCs), hashed meanwhile
+    zero_bytes: int  # all-zero chunks of the page files made holes
 
 
 @dataclass
@@ -130,6 +138,23 @@ class CheckpointEngine(SingletonConfigurable):
         "kernels not under cedana (it cannot here: a restored kernel has a new parent).",
     ).tag(config=True)
 
+    lazy_restore = Bool(
+        True,
+        help="Resume a kernel before its memory is read: it runs as soon as CRIU has "
+        "restored its processes, and its memory pages are loaded on demand and in the "
+        "background (userfaultfd), each chunk checked against its checksum before the "
+        "kernel sees it. Used where `criu check --feature uffd-noncoop` says it works (as "
+        "root; CRIU 4.2 ignores userfaultfd with --unprivileged, so non-root servers restore "
+        "whole); images without chunk checksums (format 1) and GPU checkpoints are restored "
+        "whole.",
+    ).tag(config=True)
+
+    pages_path = Unicode(
+        "",
+        help="Path of cedana-pages, the page server of lazy restores. Empty: the copy "
+        "shipped in the package.",
+    ).tag(config=True)
+
     keep_image_after_resume = Bool(
         False,
         help="Keep a kernel's checkpoint image on disk after a successful resume (it is "
@@ -180,6 +205,8 @@ class CheckpointEngine(SingletonConfigurable):
     ).tag(config=True)
 
     _info: EngineInfo | None = None
+    _lazy_reason: str | None = None
+    _lazy_probed = False
     _store: CheckpointStore | None = None
     _monitor: Any = None
     _cuda: Any = None
@@ -255,6 +282,25 @@ class CheckpointEngine(SingletonConfigurable):
             )
         return path
 
+    def pages_binary(self) -> str:
+        return self.pages_path or str(_PACKAGE_BIN / "cedana-pages")
+
+    def lazy_unsupported(self) -> str | None:
+        """Why a lazy restore cannot be used here (None: it can); probed once."""
+        if not self.lazy_restore:
+            return "CheckpointEngine.lazy_restore is off"
+        if not self._lazy_probed:
+            from .lazy import unsupported_reason
+
+            info = self.require()
+            self._lazy_reason = unsupported_reason(
+                info.criu_path or "criu", os.geteuid() != 0, self.pages_binary()
+            )
+            self._lazy_probed = True
+            if self._lazy_reason:
+                self.log.warning("Restoring kernels whole: %s", self._lazy_reason)
+        return self._lazy_reason
+
     @property
     def pidns(self) -> bool:
         return self.use_pid_namespace and os.geteuid() == 0
@@ -325,7 +371,7 @@ class CheckpointEngine(SingletonConfigurable):
 
     async def dump(
         self, pid: int, images: Path, progress: ProgressCallback | None = None
-    ) -> tuple[float, dict[str, tuple[int, int]]]:
+    ) -> DumpResult:
         """One CRIU dump at a time: CRIU's parasite mounts /proc on a directory it makes,
         `proc.crtools`, in the working directory of each task it dumps (the kernel's PID
         namespace does not own the host /proc), so two dumps of kernels sharing a working
@@ -337,13 +383,13 @@ class CheckpointEngine(SingletonConfigurable):
 
     async def _criu_dump(
         self, pid: int, images: Path, progress: ProgressCallback | None = None
-    ) -> tuple[float, dict[str, tuple[int, int]]]:
+    ) -> DumpResult:
         """Dump the tree rooted at `pid` into `images`, leaving it stopped (not killed).
 
         The caller kills the tree once the image is committed, or continues it (SIGCONT)
         if anything after the dump fails: the kernel then runs on exactly as before.
-        Returns the seconds CRIU took and the (size, crc) of the page files, hashed while
-        CRIU wrote them.
+        Returns the seconds CRIU took and the (size, chunk CRCs) of the page files, hashed
+        while CRIU wrote them (with their zero chunks made holes).
         """
         info = self.require()
         expected = tree_rss(pid)
@@ -411,13 +457,17 @@ class CheckpointEngine(SingletonConfigurable):
             raise SuspendFailed(
                 f"CRIU dump failed (exit {proc.returncode}): {why or stderr.strip()}"
             )
-        return time.monotonic() - t0, sums
+        return DumpResult(time.monotonic() - t0, sums, hasher.zero_bytes)
 
-    def start_restore(self, images: Path, work: Path, pidfile: Path) -> subprocess.Popen[bytes]:
-        """Start `criu restore` in the foreground: it stays as the restored tree's parent
-        (reaping it, so the kernel never lingers as a zombie) and exits when the tree does.
-        The tree is left stopped: the caller continues it (SIGCONT) once the image's
-        checksums, verified meanwhile, are known to be right."""
+    def start_restore(
+        self, images: Path, work: Path, pidfile: Path, lazy: bool = False
+    ) -> subprocess.Popen[bytes]:
+        """Start `criu restore -d` under cedana-init's keeper, a child subreaper that
+        becomes the restored tree's parent once CRIU exits (reaping it, so the kernel never
+        lingers as a zombie) and exits when the tree does: the returned process stands
+        for the kernel. The tree is left stopped: the caller continues it (SIGCONT) once
+        the image's checksums, verified meanwhile, are known to be right. `lazy`: the
+        memory pages come from a page server listening in `work` (lazy.PageServer)."""
         info = self.require()
         keeper = [self.init_binary(), "--keeper", str(pidfile)]
         if self.kernels_die_with_server:
@@ -427,6 +477,7 @@ class CheckpointEngine(SingletonConfigurable):
             "--",
             *self._base_args(info),
             "restore",
+            "-d",
             "--libdir",
             self.plugin_dir(),
             "-D",
@@ -441,6 +492,7 @@ class CheckpointEngine(SingletonConfigurable):
             "--pidfile",
             str(pidfile),
             "--leave-stopped",
+            *(["--lazy-pages"] if lazy else []),
             *self.extra_restore_args,
         ]
         self.log.debug("running %s", " ".join(cmd))

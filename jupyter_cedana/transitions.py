@@ -2,9 +2,12 @@
 lock, progress, and the listeners told of every change.
 
     running → suspending → suspended → resuming → running
-                  │                        │
-                  └→ running (failed       └→ failed (image kept) / suspended
-                     suspend: runs on)        (cancelled or refused by admission)
+                  │                        │            │
+                  └→ running (failed       │            └→ failed (a lazily restored
+                     suspend: runs on)     │               kernel's memory could not all
+                                           │               be loaded; image kept)
+                                           └→ failed (image kept) / suspended
+                                              (cancelled or refused by admission)
 
 A suspended or failed kernel may also be discarded (→ running, as a fresh start).
 """
@@ -30,7 +33,7 @@ class KernelState(str, enum.Enum):
 
 _S = KernelState
 ALLOWED: dict[KernelState, frozenset[KernelState]] = {
-    _S.running: frozenset({_S.suspending, _S.running}),
+    _S.running: frozenset({_S.suspending, _S.running, _S.failed}),
     # suspended → suspending: an offloaded kernel going to disk.
     _S.suspended: frozenset({_S.resuming, _S.suspending, _S.running}),
     _S.suspending: frozenset({_S.suspended, _S.running, _S.failed}),

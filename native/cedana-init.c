@@ -16,9 +16,11 @@
  * it could watch its parent. Only the watcher holds the parent-death signal; the init is
  * what CRIU dumps, and a parent-death signal there would fire right after a restore.
  *
- * --keeper PIDFILE: the same watch for a restored kernel: runs CMD (criu restore, which
- * stays the restored tree's parent and writes PIDFILE) and, should its own parent die,
- * terminates the process named in PIDFILE.
+ * --keeper PIDFILE: the same watch for a restored kernel: runs CMD (`criu restore -d`,
+ * which writes PIDFILE and exits once the tree is restored) as a child subreaper, so that
+ * the restored tree's root becomes its child: it reaps it and exits with its status (a
+ * keeper of a few hundred KB instead of a criu process staying for the kernel's life).
+ * Should its own parent die, it terminates the process named in PIDFILE.
  *
  * As PID 1 (or as the plain init without --pidns) it starts a session (a session leader
  * outside the namespace breaks the dump), runs CMD in its own process group, forwards
@@ -338,7 +340,12 @@ int main(int argc, char **argv)
 			execvp(cmd[0], cmd);
 			die(cmd[0]);
 		}
+		/* CRIU exits once the tree is restored: its root, now our child (we are a
+		 * subreaper, see above), is the kernel from then on. */
 		int code = supervise(child, child, &set, &w);
+		pid_t root = read_pidfile(keeper);
+		if (code == 0)
+			code = root > 0 ? supervise(root, root, &set, &w) : 1;
 		kill_leftovers();
 		return code;
 	}

@@ -6,7 +6,10 @@ import asyncio
 import contextlib
 import functools
 import inspect
+import json
 import os
+import subprocess
+import sys
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -159,3 +162,25 @@ def kernel_pids(km: Any) -> set[int]:
     from jupyter_cedana.proctree import process_tree
 
     return process_tree(km.provisioner.pid)
+
+
+def stand_in_server(script: str, *args: str) -> tuple[subprocess.Popen[str], dict[str, Any]]:
+    """Run `script` (a stand-in for a jupyter server) in a new Python; returns it and the
+    JSON line it prints once its kernels are ready. The caller kills it."""
+    server = subprocess.Popen(
+        [sys.executable, "-c", script, *args], stdout=subprocess.PIPE, text=True
+    )
+    line = server.stdout.readline() if server.stdout else ""
+    if not line:
+        server.kill()
+        server.wait()
+        raise AssertionError("the stand-in server did not get its kernels ready")
+    return server, json.loads(line)
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (FileNotFoundError, ProcessLookupError):  # gone, also between open and read
+        return False

@@ -6,17 +6,14 @@ import os
 import stat
 import threading
 import time
+import zlib
 from pathlib import Path
 
 import pytest
 
-from jupyter_cedana.checkpoint import (
-    CheckpointStore,
-    FollowingHasher,
-    file_crc32,
-    validate_kernel_id,
-)
+from jupyter_cedana.checkpoint import CheckpointStore, validate_kernel_id
 from jupyter_cedana.errors import CheckpointCorrupt, InvalidId
+from jupyter_cedana.integrity import CHUNK_SIZE, FollowingHasher, chunk_crcs, read_table
 
 
 @pytest.mark.parametrize("bad", ["", "..", "../x", "a/b", ".hidden", "x" * 200, "a b", "é"])
@@ -41,7 +38,8 @@ def test_commit_is_private_and_verifiable(tmp_path: Path) -> None:
     assert stat.S_IMODE(store.root.stat().st_mode) == 0o700
     assert stat.S_IMODE(path.stat().st_mode) == 0o700
     assert all(stat.S_IMODE(p.stat().st_mode) == 0o600 for p in path.iterdir())
-    assert manifest["total_bytes"] == (1 << 20) + 4
+    table = (1 << 20) // CHUNK_SIZE * 4 + 24  # header and one CRC per chunk
+    assert manifest["total_bytes"] == (1 << 20) + 4 + table
     assert store.verify("k1")["files"] == manifest["files"]
     assert not [p for p in store.root.iterdir() if ".tmp-" in p.name]
 
@@ -56,6 +54,58 @@ def test_verify_reports_which_file_is_damaged(tmp_path: Path) -> None:
     pages.write_bytes(b"x" * 9000)
     with pytest.raises(CheckpointCorrupt, match="truncated"):
         store.check_sizes("k2")
+
+
+def test_a_byte_flipped_deep_in_a_page_file_names_its_chunk(tmp_path: Path) -> None:
+    store = CheckpointStore(tmp_path)
+    manifest = image(store, "k5", os.urandom(10 * CHUNK_SIZE + 123))
+    pages = store.path("k5") / "pages-1.img"
+    offset = 7 * CHUNK_SIZE + 4567
+    with open(pages, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0x10]))
+    where = rf"pages-1\.img at offset {7 * CHUNK_SIZE} \(chunk 7\)"
+    with pytest.raises(CheckpointCorrupt, match=where):
+        store.verify("k5")
+    store.verify_chunks("k5", manifest, "pages-1.img", {0, 6, 8, 10})  # the others are fine
+    with pytest.raises(CheckpointCorrupt, match="chunk 7"):
+        store.verify_chunks("k5", manifest, "pages-1.img", {2, 7})
+
+
+def test_a_damaged_chunk_table_is_refused(tmp_path: Path) -> None:
+    store = CheckpointStore(tmp_path)
+    manifest = image(store, "k6", os.urandom(3 * CHUNK_SIZE))
+    table = store.path("k6") / manifest["files"]["pages-1.img"]["chunks"]
+    data = bytearray(table.read_bytes())
+    data[-1] ^= 1
+    table.write_bytes(bytes(data))
+    with pytest.raises(CheckpointCorrupt, match=r"checksum mismatch in pages-1\.img\.chunks"):
+        store.verify("k6")
+    with pytest.raises(CheckpointCorrupt, match=r"checksum mismatch in pages-1\.img\.chunks"):
+        store.verify_small_files("k6", manifest)
+    table.write_bytes(bytes(data[:-4]))
+    with pytest.raises(CheckpointCorrupt, match="not a chunk table"):
+        store.chunk_table("k6", manifest, "pages-1.img")
+
+
+def test_images_of_the_previous_format_still_verify(tmp_path: Path) -> None:
+    """Format 1: one CRC per file, page files included (restored eagerly)."""
+    store = CheckpointStore(tmp_path)
+    manifest = image(store, "k7", b"p" * 5000)
+    path = store.path("k7")
+    (path / "pages-1.img.chunks").unlink()
+    manifest["format"] = 1
+    manifest["files"] = {
+        "pages-1.img": {"size": 5000, "crc32": zlib.crc32(b"p" * 5000)},
+        "core-1.img": manifest["files"]["core-1.img"],
+    }
+    store.write_manifest("k7", manifest)
+    assert store.verify("k7")["format"] == 1
+    (path / "pages-1.img").write_bytes(b"q" * 5000)
+    with pytest.raises(CheckpointCorrupt, match=r"checksum mismatch in pages-1\.img"):
+        store.verify("k7")
 
 
 def test_following_hasher_matches_a_file_that_grows_while_hashed(tmp_path: Path) -> None:
@@ -74,15 +124,17 @@ def test_following_hasher_matches_a_file_that_grows_while_hashed(tmp_path: Path)
     t.join()
     sums = hasher.finish()
     size = sum(len(c) for c in chunks)
-    assert sums["pages-7.img"] == (size, file_crc32(tmp_path / "pages-7.img"))
+    assert sums["pages-7.img"] == (size, chunk_crcs(tmp_path / "pages-7.img")[1])
+    assert len(sums["pages-7.img"][1]) == -(-size // CHUNK_SIZE)
 
 
 def test_commit_recomputes_a_stale_known_checksum(tmp_path: Path) -> None:
     store = CheckpointStore(tmp_path)
     tmp = store.begin("k3")
     (tmp / "pages-1.img").write_bytes(b"abc" * 1000)
-    manifest = store.commit("k3", tmp, {}, known={"pages-1.img": (10, 1234)})
-    assert manifest["files"]["pages-1.img"]["crc32"] == file_crc32(store.path("k3") / "pages-1.img")
+    manifest = store.commit("k3", tmp, {}, known={"pages-1.img": (10, [1234])})
+    table = store.path("k3") / manifest["files"]["pages-1.img"]["chunks"]
+    assert read_table(table) == (CHUNK_SIZE, 3000, chunk_crcs(store.path("k3") / "pages-1.img")[1])
 
 
 def test_commit_returns_only_once_the_image_is_durable(
@@ -121,3 +173,22 @@ def test_commit_returns_only_once_the_image_is_durable(
     manifest = store.read_manifest("k4")
     store.write_manifest("k4", {**manifest, "note": 1})
     assert ("fsync", final) in events and store.read_manifest("k4")["note"] == 1
+
+
+def test_zero_chunks_become_holes_and_read_back_the_same(tmp_path: Path) -> None:
+    """Pages written with zeros cost no disk blocks; they read back as zeros (same CRCs)."""
+    data = os.urandom(CHUNK_SIZE) + bytes(40 * CHUNK_SIZE) + os.urandom(3 * CHUNK_SIZE)
+    data += bytes(CHUNK_SIZE - 1) + b"\1"  # almost zero: kept
+    hasher = FollowingHasher(tmp_path).start()
+    with open(tmp_path / "pages-1.img", "wb") as f:
+        for i in range(0, len(data), 100_000):
+            f.write(data[i : i + 100_000])
+            f.flush()
+    sums = hasher.finish()
+    path = tmp_path / "pages-1.img"
+    assert path.read_bytes() == data
+    assert sums["pages-1.img"] == chunk_crcs(path)
+    assert hasher.zero_bytes == 40 * CHUNK_SIZE
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+    assert path.stat().st_blocks * 512 <= len(data) - 40 * CHUNK_SIZE + CHUNK_SIZE

@@ -3,15 +3,14 @@ killed with SIGKILL must not leave kernels running, as stock ipykernel would not
 
 from __future__ import annotations
 
-import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
+
+from tests.conftest import alive, stand_in_server
 
 pytestmark = pytest.mark.criu
 
@@ -40,24 +39,9 @@ asyncio.run(main())
 """
 
 
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except FileNotFoundError:
-        return False
-
-
 def test_kernels_end_when_their_server_is_killed(tmp_path: Path) -> None:
-    server = subprocess.Popen(
-        [sys.executable, "-c", SERVER, str(tmp_path / "checkpoints")],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
+    server, started = stand_in_server(SERVER, str(tmp_path / "checkpoints"))
     try:
-        line = server.stdout.readline() if server.stdout else ""
-        assert line, "the stand-in server did not start its kernels"
-        started = json.loads(line)
         pids = started["pids"] + started["keepers"]
         assert len(started["pids"]) >= 4 and all(alive(p) for p in pids)
         os.kill(server.pid, signal.SIGKILL)

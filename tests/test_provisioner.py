@@ -14,8 +14,10 @@ from pathlib import Path
 import pytest
 from jupyter_client.manager import _ShutdownStatus
 
+from jupyter_cedana import crimg
 from jupyter_cedana.checkpoint import ROOT_MARKER
 from jupyter_cedana.errors import CheckpointCorrupt, Conflict, ResumeFailed, SuspendFailed
+from jupyter_cedana.proctree import process_tree
 from jupyter_cedana.provisioner import KernelState
 from tests.conftest import kernel_pids, run, wait_iopub
 
@@ -84,11 +86,14 @@ async def test_suspend_resume_keeps_state(kernel, checkpoint_root: Path) -> None
     assert manifest["kernel_name"] == "python3"
     assert manifest["criu_version"].startswith("4.")
     assert manifest["total_bytes"] == result["checkpoint_bytes"] > 8_000_000  # arr alone
-    assert all("crc32" in m for m in manifest["files"].values())
+    # Page files are checked by chunk (a table beside each), the rest whole.
+    assert all(("crc32" in m) != ("chunks" in m) for m in manifest["files"].values())
+    assert any("chunks" in m for m in manifest["files"].values())
     assert manifest["timings"]["dump_s"] > 0
 
     await prov.resume()
     assert prov.state == KernelState.running
+    await prov.memory_loaded()  # a lazy restore loads it while the kernel runs
     assert not image.exists()  # deleted after a successful resume by default
     if prov.engine.pidns:
         assert prov.pid not in pids_before  # a new host PID, in a new PID namespace
@@ -358,17 +363,36 @@ async def test_failed_restore_keeps_image_and_retry_works(
     assert out.strip() == "a,b 1,2"
 
 
+def restored_by_criu(image: Path) -> tuple[Path, int]:
+    """A page file and an offset in it that CRIU restores itself (not lazily): a stack."""
+    for pid in crimg.pids(image):
+        for r in crimg.pagemap(image, pid):
+            if r.present and not r.lazy:
+                return image / r.pages_file, r.offset + r.pages * crimg.PAGE_SIZE // 2
+    raise AssertionError("every page is restored lazily")
+
+
+@pytest.mark.parametrize("lazy", [False, True], ids=["whole", "lazy"])
 @pytest.mark.parametrize("damage", ["flip", "truncate", "missing"])
-async def test_corrupt_image_is_detected(kernel, checkpoint_root: Path, damage: str) -> None:
+async def test_corrupt_image_is_detected(
+    kernel, checkpoint_root: Path, damage: str, lazy: bool
+) -> None:
+    """Refused before the kernel runs. A lazy restore checks what CRIU reads itself
+    first; its lazily loaded pages are checked as served (tests/test_lazy.py)."""
     prov = kernel.provisioner
+    prov.engine.lazy_restore = lazy
     await run(kernel.test_client, "w = 99")
     await prov.suspend()
     image = checkpoint_root / kernel.kernel_id
     pages = max(image.glob("pages-*.img"), key=lambda p: p.stat().st_size)
+    if damage == "flip" and lazy:
+        pages, offset = restored_by_criu(image)
+    else:
+        offset = pages.stat().st_size // 2
     original = pages.read_bytes()
     if damage == "flip":
         buf = bytearray(original)
-        buf[len(buf) // 2] ^= 0xFF
+        buf[offset] ^= 0xFF
         pages.write_bytes(bytes(buf))
     elif damage == "truncate":
         pages.write_bytes(original[: len(original) // 2])
@@ -419,3 +443,25 @@ async def test_transitions_refused_in_wrong_state(kernel) -> None:
     await kernel.shutdown_kernel(now=True)
     with pytest.raises(Conflict, match="not running"):
         await prov.suspend()
+
+
+async def test_a_restored_kernel_costs_a_small_keeper_and_no_criu(kernel) -> None:
+    """After a restore only cedana-init's keeper stands between the server and the kernel
+    (CRIU detached: it exits once the tree is restored), well under 5 MB."""
+    prov = kernel.provisioner
+    await prov.suspend()
+    await prov.resume()
+    await prov.memory_loaded()
+    keeper = prov.process.pid
+    extra = process_tree(keeper) - process_tree(prov.pid)
+    assert extra == {keeper}
+    assert Path(f"/proc/{keeper}/comm").read_text().strip() == "cedana-init"
+    pss_kb = next(
+        int(line.split()[1])
+        for line in Path(f"/proc/{keeper}/smaps_rollup").read_text().splitlines()
+        if line.startswith("Pss:")
+    )
+    assert pss_kb < 5 * 1024
+    await wait_iopub(kernel.test_client)
+    _, out = await run(kernel.test_client, "print(6 * 7)")
+    assert out.strip() == "42"

@@ -1,0 +1,309 @@
+"""Shared pieces of the CPU benchmarks: machine facts, plain file I/O of the same bytes on
+the same disk (the baseline every number is put beside), cache dropping, kernels under the
+cedana provisioner, the message gate's IOPub confirmation, and a memory sampler."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime
+import os
+import platform
+import statistics
+import subprocess
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+GB = 1e9
+CHUNK = 8 << 20
+GATE_NUDGE_S = 0.5  # jupyter_server's nudge() retries kernel_info_request every 0.5 s
+
+# A kernel holding `nbytes` of random non-zero int64 (every page resident, incompressible).
+FILL = """
+import numpy as np
+_n = max(0, {nbytes} // 8)
+a = np.random.default_rng(12345).integers(1, 2**62, size=_n, dtype=np.int64)
+b = 7
+"""
+PROBE = "print(int(a[::512].sum() % 1000003), a.nbytes)"  # touches 1 page in 512
+SMALL = "print(b * 6)"  # touches next to nothing
+TOUCH_ALL = "print(int(a.sum() % 1000003))"  # reads every page of the array
+
+
+def can_drop_caches() -> bool:
+    return os.geteuid() == 0 and os.access("/proc/sys/vm/drop_caches", os.W_OK)
+
+
+def drop_caches() -> None:
+    os.sync()
+    with open("/proc/sys/vm/drop_caches", "w") as f:
+        f.write("3\n")
+
+
+def fs_type(path: Path) -> str:
+    best, kind = "", "?"
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/self/mounts").read_text().splitlines():
+            parts = line.split()
+            mnt = parts[1]
+            inside = str(path).startswith(mnt.rstrip("/") + "/") or str(path) == mnt
+            if inside and len(mnt) >= len(best):
+                best, kind = mnt, f"{parts[2]} on {parts[0]} ({mnt})"
+    return kind
+
+
+def meminfo() -> dict[str, int]:
+    out = {}
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            key, value = line.split(":", 1)
+            out[key] = int(value.split()[0]) * 1024
+    return out
+
+
+def machine_info(root: Path) -> dict[str, Any]:
+    def run(cmd: list[str]) -> str:
+        try:
+            return subprocess.run(cmd, capture_output=True, text=True, timeout=10).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return ""
+
+    from jupyter_cedana.engine import CheckpointEngine
+
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "nproc": os.cpu_count(),
+        "mem_bytes": meminfo().get("MemTotal", 0),
+        "kernel": platform.release(),
+        "df": run(["df", "-h", str(root)]),
+        "fs_type": fs_type(root),
+        "criu": CheckpointEngine.instance().probe().criu_version,
+        "python": platform.python_version(),
+        "loadavg_start": os.getloadavg(),
+    }
+
+
+async def engine_at(root: Path) -> Any:
+    """The process's CheckpointEngine on checkpoint root `root`, with the CUDA helper
+    started (or found missing) once, so that no suspend pays for it; None, saying why,
+    where CRIU cannot be used."""
+    import sys
+
+    from traitlets.config import Config
+
+    from jupyter_cedana.engine import CheckpointEngine
+
+    root.mkdir(parents=True, exist_ok=True)
+    CheckpointEngine.clear_instance()
+    c = Config()
+    c.CheckpointEngine.checkpoint_root = str(root)
+    engine = CheckpointEngine.instance(config=c)
+    if not engine.probe().available:
+        print(f"cannot benchmark: {engine.probe().reason}", file=sys.stderr)
+        return None
+    await engine.cuda_checkpointer()
+    return engine
+
+
+def plain_write_fsync(path: Path, nbytes: int) -> tuple[float, float]:
+    """Seconds to write nbytes in 8 MiB chunks, and until they and the directory entry are
+    durable (write + fsync + directory fsync): a suspend's job without CRIU."""
+    buf = memoryview(os.urandom(CHUNK))
+    t = time.perf_counter()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        left = nbytes
+        while left > 0:
+            left -= os.write(fd, buf[: min(left, CHUNK)])
+        write_s = time.perf_counter() - t
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    dfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+    return write_s, time.perf_counter() - t
+
+
+def plain_read(path: Path) -> float:
+    buf = bytearray(CHUNK)
+    t = time.perf_counter()
+    with open(path, "rb", buffering=0) as f:
+        while f.readinto(buf):
+            pass
+    return time.perf_counter() - t
+
+
+def med(rows: list[dict[str, Any]], key: str) -> float | None:
+    vals = [r[key] for r in rows if r.get(key) is not None]
+    return statistics.median(vals) if vals else None
+
+
+async def start_kernel(root: Path, workdir: Path, **engine: Any) -> tuple[Any, Any]:
+    from jupyter_client.manager import AsyncKernelManager
+    from jupyter_client.provisioning import KernelProvisionerFactory
+    from traitlets.config import Config
+
+    c = Config()
+    c.CheckpointEngine.checkpoint_root = str(root)
+    for key, value in engine.items():
+        setattr(c.CheckpointEngine, key, value)
+    KernelProvisionerFactory.instance().default_provisioner_name = "cedana-provisioner"
+    km = AsyncKernelManager(kernel_name="python3", config=c)
+    await km.start_kernel(cwd=str(workdir))
+    kc = km.client()
+    kc.start_channels()
+    await kc.wait_for_ready(timeout=120)
+    return km, kc
+
+
+async def run(kc: Any, code: str, timeout: float = 600) -> str:
+    out: list[str] = []
+
+    def hook(msg: dict[str, Any]) -> None:
+        if msg["msg_type"] == "stream":
+            out.append(msg["content"]["text"])
+        elif msg["msg_type"] == "error":
+            out.append("\n".join(msg["content"]["traceback"]))
+
+    reply = await kc.execute_interactive(code, timeout=timeout, output_hook=hook)
+    if reply["content"]["status"] != "ok":
+        raise RuntimeError(f"kernel error: {''.join(out)}")
+    return "".join(out)
+
+
+async def fill(kc: Any, pid: int, nbytes: int) -> str:
+    """Make the kernel's memory about `nbytes`; returns PROBE's answer."""
+    from jupyter_cedana.engine import tree_rss
+
+    await run(kc, "import numpy as np")
+    base = tree_rss(pid)
+    await run(kc, FILL.format(nbytes=max(8 << 20, nbytes - base)))
+    return (await run(kc, PROBE)).strip()
+
+
+async def confirm_iopub(km: Any, kc: Any, interval: float = GATE_NUDGE_S) -> None:
+    """The gate's IOPub confirmation, as jupyter_server's nudge() does it: kernel_info
+    requests on a transient shell socket every `interval` s until a shell reply has come
+    and an IOPub message arrived on the client's long-lived IOPub socket."""
+    import zmq
+    import zmq.asyncio
+
+    shell = km.connect_shell()
+    iopub = kc.iopub_channel.socket
+    poller = zmq.asyncio.Poller()
+    poller.register(shell, zmq.POLLIN)
+    poller.register(iopub, zmq.POLLIN)
+    got_reply = got_iopub = False
+    deadline = time.monotonic() + 120
+    next_send = 0.0
+    try:
+        while not (got_reply and got_iopub):
+            now = time.monotonic()
+            if now > deadline:
+                raise TimeoutError("IOPub did not come back")
+            if now >= next_send:
+                km.session.send(shell, "kernel_info_request")
+                next_send = now + interval
+            wait_ms = max(1, int((next_send - time.monotonic()) * 1000))
+            events = dict(await poller.poll(wait_ms))
+            if shell in events:
+                await shell.recv_multipart()
+                got_reply = True
+            if iopub in events:
+                await iopub.recv_multipart()
+                got_iopub = True
+    finally:
+        shell.close(linger=0)
+
+
+async def output_of(kc: Any, code: str, timeout: float = 600) -> tuple[float, str]:
+    """Send `code`; seconds until its first stream output arrived, and that output."""
+    msg_id = kc.execute(code)
+    t = time.perf_counter()
+    text = None
+    deadline = time.monotonic() + timeout
+    while text is None:
+        msg = await kc.get_iopub_msg(timeout=max(0.01, deadline - time.monotonic()))
+        if msg["parent_header"].get("msg_id") != msg_id:
+            continue
+        if msg["msg_type"] == "stream":
+            text = msg["content"]["text"]
+        elif msg["msg_type"] == "error":
+            raise RuntimeError("\n".join(msg["content"]["traceback"]))
+    dt = time.perf_counter() - t
+    while True:  # the reply and the idle status, untimed
+        reply = await kc.get_shell_msg(timeout=timeout)
+        if reply["parent_header"].get("msg_id") == msg_id:
+            break
+    with contextlib.suppress(Exception):
+        while True:
+            await kc.get_iopub_msg(timeout=0.05)
+    return dt, text.strip()
+
+
+async def stop_kernel(km: Any, kc: Any) -> None:
+    kc.stop_channels()
+    with contextlib.suppress(Exception):
+        await km.shutdown_kernel(now=True)
+
+
+class MemorySampler:
+    """Peaks of the machine's memory use while a step runs (every 50 ms): used memory
+    (MemTotal - MemAvailable), page cache, dirty pages, swap used."""
+
+    def __init__(self, interval: float = 0.05):
+        self.interval = interval
+        self.peak: dict[str, int] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _sample(self) -> None:
+        m = meminfo()
+        now = {
+            "used": m.get("MemTotal", 0) - m.get("MemAvailable", 0),
+            "cached": m.get("Cached", 0),
+            "dirty": m.get("Dirty", 0) + m.get("Writeback", 0),
+            "swap_used": m.get("SwapTotal", 0) - m.get("SwapFree", 0),
+        }
+        for k, v in now.items():
+            self.peak[k] = max(self.peak.get(k, 0), v)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._sample()
+            self._stop.wait(self.interval)
+
+    def __enter__(self) -> MemorySampler:
+        self._sample()
+        self.start = dict(self.peak)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def oom_kills() -> int:
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path("/proc/vmstat").read_text().splitlines():
+            if line.startswith("oom_kill "):
+                return int(line.split()[1])
+    return 0
+
+
+async def gather_timed(coros: list[Any]) -> tuple[float, list[float]]:
+    """Run coroutines at once: total seconds, and each one's seconds."""
+    t0 = time.perf_counter()
+
+    async def timed(c: Any) -> float:
+        await c
+        return time.perf_counter() - t0
+
+    each = await asyncio.gather(*(timed(c) for c in coros))
+    return time.perf_counter() - t0, list(each)

@@ -1,0 +1,222 @@
+"""Reading the few CRIU image records jupyter-cedana needs: the process tree, each
+process's memory areas and page map (which pages a lazy restore serves, and where they are
+in the page files), and the dump statistics (where a suspend's time went).
+
+CRIU images are a magic number or two followed by length-prefixed protobuf records; the
+field numbers below are those of CRIU's images/*.proto (stable across CRIU versions).
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+_COMMON_MAGIC = 0x54564319
+_SERVICE_MAGIC = 0x55105940
+PAGE_SIZE = 4096
+
+# pagemap_entry.flags
+PE_PARENT = 1 << 0
+PE_LAZY = 1 << 1
+PE_PRESENT = 1 << 2
+
+Fields = dict[int, list[int | bytes]]
+
+
+class ImageError(ValueError):
+    """A CRIU image that cannot be read as expected."""
+
+
+def _varint(data: bytes, pos: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        if pos >= len(data):
+            raise ImageError("truncated varint")
+        byte = data[pos]
+        pos += 1
+        value |= (byte & 0x7F) << shift
+        if not byte & 0x80:
+            return value, pos
+        shift += 7
+
+
+def decode(message: bytes) -> Fields:
+    """Field number → values (ints for varint and fixed fields, bytes for the rest)."""
+    fields: Fields = {}
+    pos = 0
+    while pos < len(message):
+        key, pos = _varint(message, pos)
+        number, wire = key >> 3, key & 7
+        value: int | bytes
+        if wire == 0:
+            value, pos = _varint(message, pos)
+        elif wire == 1:
+            value = struct.unpack_from("<Q", message, pos)[0]
+            pos += 8
+        elif wire == 5:
+            value = struct.unpack_from("<I", message, pos)[0]
+            pos += 4
+        elif wire == 2:
+            length, pos = _varint(message, pos)
+            value = message[pos : pos + length]
+            pos += length
+        else:
+            raise ImageError(f"unsupported wire type {wire}")
+        fields.setdefault(number, []).append(value)
+    if pos != len(message):
+        raise ImageError("truncated record")
+    return fields
+
+
+def records(path: Path) -> list[bytes]:
+    """The protobuf records of a CRIU image file."""
+    data = path.read_bytes()
+    if len(data) < 8:
+        raise ImageError(f"{path.name} is too short")
+    pos = 8 if struct.unpack_from("<I", data)[0] in (_COMMON_MAGIC, _SERVICE_MAGIC) else 4
+    out = []
+    while pos < len(data):
+        if pos + 4 > len(data):
+            raise ImageError(f"{path.name}: truncated record header")
+        (size,) = struct.unpack_from("<I", data, pos)
+        pos += 4
+        if pos + size > len(data):
+            raise ImageError(f"{path.name}: truncated record")
+        out.append(data[pos : pos + size])
+        pos += size
+    return out
+
+
+def _int(fields: Fields, number: int, default: int = 0) -> int:
+    values = fields.get(number)
+    value = values[-1] if values else default
+    if not isinstance(value, int):
+        raise ImageError(f"field {number} is not a number")
+    return value
+
+
+def pids(images: Path) -> list[int]:
+    """The processes of the dumped tree, as the image numbers them (its own PID namespace)."""
+    return [_int(decode(r), 1) for r in records(images / "pstree.img")]
+
+
+def vmas(images: Path, pid: int) -> list[tuple[int, int]]:
+    """(start, end) of each memory area of a process, in address order."""
+    mm = records(images / f"mm-{pid}.img")
+    if not mm:
+        return []
+    areas = []
+    for raw in decode(mm[0]).get(14, []):
+        if not isinstance(raw, bytes):
+            raise ImageError("vma entry is not a message")
+        vma = decode(raw)
+        areas.append((_int(vma, 1), _int(vma, 2)))
+    return sorted(areas)
+
+
+@dataclass(frozen=True)
+class PageRun:
+    """Pages [vaddr, vaddr + pages*4096) of a process, stored at `offset` in `pages_file`
+    when present there."""
+
+    vaddr: int
+    pages: int
+    flags: int
+    offset: int
+    pages_file: str
+
+    @property
+    def end(self) -> int:
+        return self.vaddr + self.pages * PAGE_SIZE
+
+    @property
+    def lazy(self) -> bool:
+        return bool(self.flags & PE_LAZY)
+
+    @property
+    def present(self) -> bool:
+        return bool(self.flags & PE_PRESENT)
+
+
+def pagemap(images: Path, pid: int) -> list[PageRun]:
+    """The page runs of a process, with the offset of each in its page file."""
+    recs = records(images / f"pagemap-{pid}.img")
+    if not recs:
+        return []
+    pages_file = f"pages-{_int(decode(recs[0]), 1)}.img"
+    runs = []
+    offset = 0
+    for rec in recs[1:]:
+        vaddr, pages, flags = _pagemap_entry(rec)
+        runs.append(PageRun(vaddr, pages, flags, offset, pages_file))
+        if flags & PE_PRESENT:
+            offset += pages * PAGE_SIZE
+    return runs
+
+
+def _pagemap_entry(rec: bytes) -> tuple[int, int, int]:
+    """(vaddr, pages, flags) of a pagemap_entry: all its fields are varints, so this
+    reads them in one pass (an image of a few GB has thousands of entries)."""
+    fields = [0, 0, 0, 0, 0, 0]  # by field number; [0] unused
+    seen = 0
+    pos, end = 0, len(rec)
+    while pos < end:
+        key = rec[pos]
+        pos += 1
+        byte = rec[pos]
+        pos += 1
+        value, shift = byte & 0x7F, 7
+        while byte & 0x80:
+            byte = rec[pos]
+            pos += 1
+            value |= (byte & 0x7F) << shift
+            shift += 7
+        number = key >> 3
+        if key & 7 or not 1 <= number <= 5:
+            raise ImageError(f"unexpected field {number} in a pagemap entry")
+        fields[number] = value
+        seen |= 1 << number
+    # Images older than the flags field say in_parent, else present.
+    legacy = PE_PARENT if fields[3] else PE_PRESENT
+    flags = fields[4] if seen & (1 << 4) else legacy
+    pages = fields[5] if seen & (1 << 5) else fields[2]
+    return fields[1], pages, flags
+
+
+DUMP_STATS = {
+    1: "freezing_time",
+    2: "frozen_time",
+    3: "memdump_time",
+    4: "memwrite_time",
+    5: "pages_scanned",
+    6: "pages_skipped_parent",
+    7: "pages_written",
+    8: "irmap_resolve",
+    9: "pages_lazy",
+    10: "page_pipes",
+    11: "page_pipe_bufs",
+}
+
+
+def dump_stats(images: Path) -> dict[str, int]:
+    """CRIU's own dump statistics (times in microseconds); empty if there are none."""
+    try:
+        recs = records(images / "stats-dump")
+    except (OSError, ImageError):
+        return {}
+    if not recs:
+        return {}
+    dump = decode(recs[0]).get(1, [])
+    if not dump or not isinstance(dump[0], bytes):
+        return {}
+    fields = decode(dump[0])
+    return {name: _int(fields, number) for number, name in DUMP_STATS.items() if number in fields}
+
+
+def dump_breakdown(images: Path) -> dict[str, float]:
+    """Where CRIU's dump time went, in seconds: freezing the tree, the tree frozen (until
+    CRIU let go of it), dumping memory (parasite and transfer), writing the pages."""
+    stats = dump_stats(images)
+    names = ("freezing_time", "frozen_time", "memdump_time", "memwrite_time")
+    return {f"criu_{n[:-5]}_s": stats[n] / 1e6 for n in names if n in stats}

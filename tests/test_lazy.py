@@ -1,0 +1,402 @@
+"""Lazy restore with real kernels and real CRIU: the kernel runs before its memory is read,
+pages are checked as they are served, and every fault mid-transfer leaves a clear state.
+
+Mid-transfer is held deterministically: the page server's background transfer pauses
+while a file exists (a wrapper adds --pause-file); page faults are still served.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import queue
+import re
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import jupyter_cedana
+from jupyter_cedana import crimg
+from jupyter_cedana.provisioner import KernelState
+from tests.conftest import alive, kernel_pids, run, stand_in_server, wait_iopub
+
+pytestmark = pytest.mark.criu
+
+PAGES = Path(jupyter_cedana.__file__).parent / "bin" / "cedana-pages"
+# 32 MiB of known values: far more than the pages the first cells after a resume touch.
+FILL = "import numpy as np\na = np.arange(4 << 20, dtype=np.int64) * 3\nprint(a.ctypes.data)"
+SUM = "print(int(a.sum()))"
+EXPECTED_SUM = str(3 * ((4 << 20) - 1) * (4 << 20) // 2)
+
+
+def hold_transfer(prov: Any, tmp_path: Path) -> Path:
+    """Make the next restores' page server hold its background transfer while the
+    returned file exists."""
+    hold = tmp_path / "hold-transfer"
+    wrapper = tmp_path / "cedana-pages"
+    wrapper.write_text(f'#!/bin/sh\nexec {PAGES} --pause-file {hold} "$@"\n')
+    wrapper.chmod(0o755)
+    prov.engine.pages_path = str(wrapper)
+    hold.touch()
+    return hold
+
+
+def page_servers(kernel_id: str) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            cmd = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if cmd and cmd[0].endswith(b"cedana-pages") and any(kernel_id.encode() in c for c in cmd):
+            found.append(int(entry))
+    return found
+
+
+def held_userfaultfds() -> int:
+    fds = Path("/proc/self/fd")
+    count = 0
+    for fd in fds.iterdir():
+        with contextlib.suppress(OSError):
+            count += os.readlink(fd) == "anon_inode:[userfaultfd]"
+    return count
+
+
+def lazy_page_in(images: Path, lo: int, hi: int) -> tuple[str, int]:
+    """A page of [lo, hi) that is restored lazily (CRIU restores a few runs itself, the
+    pages of a thread's stack and at times others), as far into [lo, hi) as possible:
+    its page file and offset there."""
+    runs = [
+        r
+        for pid in crimg.pids(images)
+        for r in crimg.pagemap(images, pid)
+        if r.lazy and r.present and r.vaddr < hi and r.end > lo
+    ]
+    lazy = sum(min(r.end, hi) - max(r.vaddr, lo) for r in runs)
+    assert lazy >= (hi - lo) // 2, f"most of {lo:#x}-{hi:#x} is not restored lazily: {runs}"
+    r = runs[len(runs) // 2]
+    vaddr = max(r.vaddr, lo) + (min(r.end, hi) - max(r.vaddr, lo)) // 2
+    return r.pages_file, r.offset + (vaddr - r.vaddr)
+
+
+def flip_byte(path: Path, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)[0]
+        f.seek(offset)
+        f.write(bytes([byte ^ 0x5A]))
+
+
+async def suspended_with_array(kernel: Any) -> tuple[Any, Path, int]:
+    kc = kernel.test_client
+    _, out = await run(kc, FILL)
+    address = int(out.strip())
+    prov = kernel.provisioner
+    await prov.suspend()
+    return prov, prov.engine.store.path(prov.kernel_id_str), address
+
+
+async def test_kernel_runs_while_its_memory_is_still_on_disk(kernel, tmp_path: Path) -> None:
+    prov, image, _ = await suspended_with_array(kernel)
+    hold = hold_transfer(prov, tmp_path)
+    await prov.resume()
+    assert prov.state == KernelState.running
+    assert image.exists()  # the image stays until every page is in
+    kc = kernel.test_client
+    await wait_iopub(kc)
+    _, out = await run(kc, "print('alive', 6 * 7)")
+    assert out.strip() == "alive 42"
+    # Touching all of it pulls it in through page faults, checked chunk by chunk.
+    _, out = await run(kc, SUM)
+    assert out.strip() == EXPECTED_SUM
+    assert image.exists() and page_servers(prov.kernel_id_str)
+    hold.unlink()
+    await prov.memory_loaded()
+    assert prov.state == KernelState.running
+    assert not image.exists() and not page_servers(prov.kernel_id_str)
+    assert held_userfaultfds() == 0
+    _, out = await run(kc, SUM)
+    assert out.strip() == EXPECTED_SUM
+
+
+async def test_a_corrupt_page_is_never_given_to_the_kernel(kernel, tmp_path: Path) -> None:
+    """A byte flipped deep in the page file: the chunk is refused when the kernel touches
+    it; the kernel is killed (it must not run on with missing or wrong memory), state
+    failed with the reason, image kept; mended, the image resumes."""
+    prov, image, address = await suspended_with_array(kernel)
+    name, offset = lazy_page_in(image, address + (16 << 20), address + (32 << 20))
+    pages = image / name
+    assert offset > (pages.stat().st_size // 8)  # deep in the file, not in its first chunks
+    flip_byte(pages, offset)
+    hold = hold_transfer(prov, tmp_path)
+    await prov.resume()  # only what CRIU reads itself is checked before the kernel runs
+    assert prov.state == KernelState.running
+    kc = kernel.test_client
+    await wait_iopub(kc)
+    _, out = await run(kc, "print('alive')")
+    assert out.strip() == "alive"
+    pids = kernel_pids(kernel)
+    kc.execute(SUM)  # needs the damaged chunk
+    await prov.memory_loaded()
+    assert prov.state == KernelState.failed
+    assert f"checksum mismatch in {name} at offset" in (prov.reason or "")
+    assert image.exists() and not page_servers(prov.kernel_id_str)
+    assert not [p for p in pids if Path(f"/proc/{p}").exists()]
+    assert held_userfaultfds() == 0
+    replies = []
+    with pytest.raises(queue.Empty):
+        while True:
+            replies.append(await kc.get_shell_msg(timeout=0.5))
+    assert not [r for r in replies if r["content"].get("status") == "ok"]
+
+    flip_byte(pages, offset)  # mended
+    hold.unlink()
+    await prov.resume()
+    await prov.memory_loaded()
+    await wait_iopub(kc)
+    _, out = await run(kc, SUM)
+    assert out.strip() == EXPECTED_SUM
+
+
+EVENTS_SETUP = r"""
+import ctypes, hashlib, mmap, os
+import numpy as np
+libc = ctypes.CDLL(None, use_errno=True)
+libc.mmap.restype = libc.mremap.restype = ctypes.c_void_p
+libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                      ctypes.c_long]
+libc.mremap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int,
+                        ctypes.c_void_p]
+N = 16 << 20
+RW, PRIVATE_ANON = mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+moved = libc.mmap(None, N, RW, PRIVATE_ANON, -1, 0)
+ctypes.memmove(moved, os.urandom(N), N)
+moved_hash = hashlib.sha256(ctypes.string_at(moved, N)).hexdigest()
+# Above glibc's largest mmap threshold (32 MiB): a mapping of its own.
+big = np.arange(5 << 20, dtype=np.int64) * 3
+gone = np.arange(5 << 20, dtype=np.int64)
+priv = mmap.mmap(-1, 8 << 20, flags=PRIVATE_ANON)
+priv.write(b"\x07" * (8 << 20))
+"""
+EVENTS_WHILE_LOADING = r"""
+# mremap to another place: the pages still on disk move with the mapping.
+target = libc.mmap(None, N, RW, PRIVATE_ANON, -1, 0)
+moved = libc.mremap(moved, N, N, 1 | 2, target)  # MREMAP_MAYMOVE | MREMAP_FIXED
+assert moved == target
+del gone  # munmap of pages still on disk
+priv.madvise(mmap.MADV_DONTNEED)  # empties pages still on disk: they must read as zeros
+r, w = os.pipe()
+child = os.fork()  # the child reads pages still on disk through its own userfaultfd
+if child == 0:
+    os.write(w, str(int(big.sum())).encode())
+    os._exit(0)
+os.close(w)
+got = os.read(r, 100).decode()
+os.waitpid(child, 0)
+print(got, priv[0], priv[len(priv) - 1])
+"""
+EVENTS_CHECK = (
+    "print(hashlib.sha256(ctypes.string_at(moved, N)).hexdigest() == moved_hash,"
+    " priv[0], priv[4 << 20], int(big.sum()))"
+)
+
+
+async def test_fork_mremap_munmap_madvise_while_memory_loads(kernel, tmp_path: Path) -> None:
+    """The kernel changes its memory map while pages are still on disk: a fork's child
+    gets them too, moved pages arrive where they moved, unmapped ones are not copied, and
+    emptied ones stay empty (never refilled with their old content)."""
+    kc = kernel.test_client
+    prov = kernel.provisioner
+    reply, out = await run(kc, EVENTS_SETUP)
+    assert reply["status"] == "ok", out
+    total = 3 * ((5 << 20) - 1) * (5 << 20) // 2
+    await prov.suspend()
+    hold = hold_transfer(prov, tmp_path)
+    await prov.resume()
+    await wait_iopub(kc)
+    reply, out = await run(kc, EVENTS_WHILE_LOADING)
+    assert reply["status"] == "ok", out
+    assert out.split() == [str(total), "0", "0"]
+    hold.unlink()
+    await prov.memory_loaded()
+    assert prov.state == KernelState.running
+    log = (prov.engine.store.work_dir(prov.kernel_id_str) / "pages.log").read_text()
+    events = {k: int(n) for n, k in re.findall(r"(\d+) (fork|remap|remove|unmap)", log)}
+    assert all(events.get(k, 0) >= 1 for k in ("fork", "remap", "remove", "unmap")), log
+    _, out = await run(kc, EVENTS_CHECK)
+    assert out.split() == ["True", "0", "0", str(total)]
+
+
+async def test_page_server_killed_mid_transfer(kernel, tmp_path: Path) -> None:
+    prov, image, _ = await suspended_with_array(kernel)
+    hold = hold_transfer(prov, tmp_path)
+    await prov.resume()
+    pids = kernel_pids(kernel)
+    servers = page_servers(prov.kernel_id_str)
+    assert len(servers) == 1
+    os.kill(servers[0], signal.SIGKILL)
+    await prov.memory_loaded()
+    assert prov.state == KernelState.failed
+    assert "killed by SIGKILL" in (prov.reason or "") and "not loaded" in (prov.reason or "")
+    assert image.exists()
+    assert not [p for p in pids if Path(f"/proc/{p}").exists()]
+    assert held_userfaultfds() == 0
+    hold.unlink()
+    await prov.resume()
+    await prov.memory_loaded()
+    await wait_iopub(kernel.test_client)
+    _, out = await run(kernel.test_client, SUM)
+    assert out.strip() == EXPECTED_SUM
+
+
+async def test_image_removed_mid_transfer_loads_on(kernel, tmp_path: Path) -> None:
+    """The page server holds the page files open: removing the image does not take the
+    memory away from the kernel."""
+    prov, image, _ = await suspended_with_array(kernel)
+    hold = hold_transfer(prov, tmp_path)
+    await prov.resume()
+    prov.engine.store.remove_image(prov.kernel_id_str)
+    assert not image.exists()
+    hold.unlink()
+    await prov.memory_loaded()
+    assert prov.state == KernelState.running
+    await wait_iopub(kernel.test_client)
+    _, out = await run(kernel.test_client, SUM)
+    assert out.strip() == EXPECTED_SUM
+
+
+async def test_page_file_cut_short_mid_transfer(kernel, tmp_path: Path) -> None:
+    """The disk losing the rest of the page file (truncated) while pages are loading."""
+    prov, image, _ = await suspended_with_array(kernel)
+    pages = max(image.glob("pages-*.img"), key=lambda p: p.stat().st_size)
+    hold = hold_transfer(prov, tmp_path)
+    await prov.resume()
+    pids = kernel_pids(kernel)
+    os.truncate(pages, pages.stat().st_size // 2)
+    hold.unlink()
+    await prov.memory_loaded()
+    assert prov.state == KernelState.failed
+    assert f"{pages.name} is truncated" in (prov.reason or "")
+    assert image.exists()
+    assert not [p for p in pids if Path(f"/proc/{p}").exists()]
+
+
+async def test_shutdown_mid_transfer_leaves_nothing(kernel, tmp_path: Path) -> None:
+    prov, image, _ = await suspended_with_array(kernel)
+    hold_transfer(prov, tmp_path)
+    await prov.resume()
+    pids = kernel_pids(kernel)
+    kid = prov.kernel_id_str
+    assert page_servers(kid)
+    await kernel.shutdown_kernel(now=True)
+    await prov.memory_loaded()
+    assert not [p for p in pids if Path(f"/proc/{p}").exists()]
+    assert not page_servers(kid) and not image.exists()
+    assert held_userfaultfds() == 0
+
+
+async def test_suspend_waits_for_the_memory_to_be_in(kernel, tmp_path: Path) -> None:
+    prov, image, _ = await suspended_with_array(kernel)
+    hold = hold_transfer(prov, tmp_path)
+    await prov.resume()
+    suspend = asyncio.ensure_future(prov.suspend())
+    for _ in range(20):
+        await asyncio.sleep(0)
+    # Held by the transfer: it has not started dumping a half-loaded kernel.
+    assert prov.state == KernelState.running and not suspend.done()
+    hold.unlink()
+    await suspend
+    assert prov.state == KernelState.suspended and image.exists()
+    await prov.resume()
+    await prov.memory_loaded()
+    await wait_iopub(kernel.test_client)
+    _, out = await run(kernel.test_client, SUM)
+    assert out.strip() == EXPECTED_SUM
+
+
+async def test_restored_whole_where_lazy_is_unsupported(kernel, tmp_path: Path) -> None:
+    """A CRIU whose check says userfaultfd cannot be used: the eager path, automatically."""
+    criu = prov_criu = kernel.provisioner.engine.probe().criu_path
+    wrapper = tmp_path / "criu"
+    wrapper.write_text(
+        "#!/bin/sh\n"
+        'if [ "$1" = check ] || [ "$2" = check ]; then\n'
+        '  echo "uffd-noncoop is not supported"; exit 1\nfi\n'
+        f'exec {criu} "$@"\n'
+    )
+    wrapper.chmod(0o755)
+    prov = kernel.provisioner
+    prov.engine.criu_path = str(wrapper)
+    prov.engine.probe(refresh=True)
+    assert prov_criu != str(wrapper)
+    assert "not supported" in (prov.engine.lazy_unsupported() or "")
+    _, image, _ = await suspended_with_array(kernel)
+    await prov.resume()
+    assert not image.exists()  # whole restore: gone at once
+    assert not page_servers(prov.kernel_id_str)
+    await wait_iopub(kernel.test_client)
+    _, out = await run(kernel.test_client, SUM)
+    assert out.strip() == EXPECTED_SUM
+
+
+SERVER = r"""
+import asyncio, json, os, sys
+from pathlib import Path
+from jupyter_client.manager import AsyncKernelManager
+from jupyter_client.provisioning import KernelProvisionerFactory
+from traitlets.config import Config
+from jupyter_cedana.proctree import process_tree
+
+async def main():
+    KernelProvisionerFactory.instance().default_provisioner_name = "cedana-provisioner"
+    c = Config()
+    c.CheckpointEngine.checkpoint_root = sys.argv[1]
+    c.CheckpointEngine.pages_path = sys.argv[2]
+    km = AsyncKernelManager(config=c)
+    await km.start_kernel()
+    kc = km.client()
+    kc.start_channels()
+    await kc.wait_for_ready(timeout=60)
+    await kc.execute_interactive("import numpy as np; a = np.arange(4 << 20) * 3", timeout=60)
+    await km.provisioner.suspend()
+    await km.provisioner.resume()
+    print(json.dumps({"pids": sorted(process_tree(km.provisioner.pid)),
+                      "keeper": km.provisioner.process.pid,
+                      "image": str(km.provisioner.engine.store.path(km.kernel_id))}), flush=True)
+    await asyncio.sleep(3600)
+
+asyncio.run(main())
+"""
+
+
+def test_server_killed_mid_transfer_keeps_the_image(tmp_path: Path) -> None:
+    """The server dies mid-transfer: the kernel dies with it (as any kernel does), the page
+    server ends, and the image stays for adoption or gc."""
+    hold = tmp_path / "hold-transfer"
+    hold.touch()
+    wrapper = tmp_path / "cedana-pages"
+    wrapper.write_text(f'#!/bin/sh\nexec {PAGES} --pause-file {hold} "$@"\n')
+    wrapper.chmod(0o755)
+    server, started = stand_in_server(SERVER, str(tmp_path / "checkpoints"), str(wrapper))
+    try:
+        kid = Path(started["image"]).name
+        servers = page_servers(kid)
+        assert len(servers) == 1
+        os.kill(server.pid, signal.SIGKILL)
+        server.wait()
+        watched = started["pids"] + [started["keeper"]] + servers
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and any(alive(p) for p in watched):
+            time.sleep(0.1)
+        assert not [p for p in watched if alive(p)]
+        assert Path(started["image"]).is_dir()
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait()
