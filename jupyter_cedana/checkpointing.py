@@ -62,7 +62,12 @@ class Checkpointing(GpuSteps):
 
     @property
     def engine(self) -> CheckpointEngine:
-        return CheckpointEngine.instance(parent=self.parent)
+        # Taken once: a kernel's images stay in the root it started with, even if the
+        # process-wide engine is replaced later (tests do; parking reads the first one).
+        engine: CheckpointEngine | None = self.__dict__.get("_engine")
+        if engine is None:
+            engine = self.__dict__["_engine"] = CheckpointEngine.instance(parent=self.parent)
+        return engine
 
     @property
     def kernel_id_str(self) -> str:

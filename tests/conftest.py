@@ -76,10 +76,11 @@ def engine_config(checkpoint_root: Path) -> Config:
 
 @pytest.fixture(autouse=True)
 def _fresh_engine() -> Any:
-    """The engine is a per-process singleton; each test configures its own."""
+    """The engine is a per-process singleton; each test configures its own. It is not
+    cleared after the test: a server torn down after this fixture still parks its
+    kernels with the engine it was configured with, not one on the default root."""
     CheckpointEngine.clear_instance()
     yield
-    CheckpointEngine.clear_instance()
 
 
 @pytest.fixture
