@@ -316,7 +316,7 @@ class Torture:
         status, data = await self.server.call("POST", f"/api/cedana/kernels/{kid}/suspend")
         if status == 200:
             self.suspends_seen += 1
-        elif status in (409, 503):
+        elif status in (409, 503, 507):  # 507: over the checkpoint budget or disk margin
             self.refused[f"suspend-{status}"] += 1
         else:
             raise Failure(f"suspend answered {status}: {data}")
@@ -481,6 +481,8 @@ class Torture:
         images = []
         if self.server.root.is_dir():
             for p in self.server.root.iterdir():
+                if p.name == ".jupyter-cedana":  # the store's marker, not an image
+                    continue
                 if p.name in (".logs", ".work") and not any(p.iterdir()):
                     continue
                 if p.name in (".logs", ".work"):

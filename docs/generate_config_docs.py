@@ -20,10 +20,13 @@ from traitlets.config import Configurable
 
 import jupyter_cedana
 from jupyter_cedana.app import CedanaApp
+from jupyter_cedana.backoff import SuspendBackoff
 from jupyter_cedana.cuda import CudaCheckpointer
 from jupyter_cedana.engine import CheckpointEngine
 from jupyter_cedana.gpu import GpuMonitor
+from jupyter_cedana.limits import SuspendLimits
 from jupyter_cedana.parking import KernelParking
+from jupyter_cedana.pids import KernelPids
 from jupyter_cedana.policy import SuspendPolicy
 
 DOCS = Path(__file__).resolve().parent
@@ -33,8 +36,11 @@ OUTPUT = DOCS / "config.md"
 CLASSES: list[type[Configurable]] = [
     CedanaApp,
     SuspendPolicy,
+    SuspendLimits,
+    SuspendBackoff,
     KernelParking,
     CheckpointEngine,
+    KernelPids,
     GpuMonitor,
     CudaCheckpointer,
 ]

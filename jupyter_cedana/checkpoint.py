@@ -21,6 +21,9 @@ from .errors import CheckpointCorrupt, InvalidId, NotFound
 
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
+# Written into every checkpoint root: what lets `jupyter cedana gc` tell a root of ours
+# (whose logs and pid files it may clean) from a directory it was pointed at by mistake.
+ROOT_MARKER = ".jupyter-cedana"
 # Kernel ids are uuid4 strings in Jupyter; anything that could climb out of the root or
 # hide as a dot-file is refused before it is joined to a path.
 _ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,127}$")
@@ -132,6 +135,10 @@ class CheckpointStore:
     def ensure_root(self) -> Path:
         self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
         os.chmod(self.root, 0o700)
+        with contextlib.suppress(FileExistsError):
+            fd = os.open(self.root / ROOT_MARKER, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as f:
+                json.dump({"created_by": "jupyter-cedana", "format": FORMAT_VERSION}, f)
         return self.root
 
     def path(self, kernel_id: str) -> Path:
@@ -309,26 +316,17 @@ class CheckpointStore:
         shutil.rmtree(self.root / ".work" / kernel_id, ignore_errors=True)
 
     def kernel_ids(self) -> list[str]:
+        """Kernels with an image here (a real directory with a manifest file)."""
         if not self.root.is_dir():
             return []
         return sorted(
-            p.name for p in self.root.iterdir() if _ID_RE.match(p.name) and (p / MANIFEST).is_file()
+            p.name
+            for p in self.root.iterdir()
+            if _ID_RE.match(p.name)
+            and not p.is_symlink()
+            and p.is_dir()
+            and (p / MANIFEST).is_file()
         )
-
-    def stale_temporaries(self) -> list[Path]:
-        """Partial dumps and deletions whose server process is gone (a live server may be
-        writing one right now)."""
-        if not self.root.is_dir():
-            return []
-        stale = []
-        for p in self.root.iterdir():
-            m = re.match(r"^\.[A-Za-z0-9_-]+\.(?:tmp-(\d+)-\d+|del-\d+)$", p.name)
-            if not m:
-                continue
-            pid = int(m.group(1)) if m.group(1) else None
-            if pid is None or not os.path.exists(f"/proc/{pid}"):
-                stale.append(p)
-        return stale
 
     def size_of(self, kernel_id: str) -> int:
         try:
@@ -348,15 +346,3 @@ class CheckpointStore:
             probe = probe.parent
         st = os.statvfs(probe)
         return Usage(bytes_used=used, bytes_free=st.f_bavail * st.f_frsize)
-
-    def gc(self, keep: set[str]) -> list[str]:
-        """Remove images and leftovers that no live kernel owns; returns what was removed."""
-        removed = []
-        for kid in self.kernel_ids():
-            if kid not in keep:
-                self.remove(kid)
-                removed.append(kid)
-        for tmp in self.stale_temporaries():
-            shutil.rmtree(tmp, ignore_errors=True)
-            removed.append(tmp.name)
-        return removed

@@ -19,17 +19,19 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from .cuda import CudaStateLeft
-from .engine import CheckpointEngine, kill_restore
+from .engine import CheckpointEngine, dir_bytes, kill_restore
 from .errors import (
     CedanaError,
     CheckpointCorrupt,
     Conflict,
     InsufficientGpuMemory,
+    InsufficientStorage,
     NotCheckpointable,
     ResumeFailed,
     SuspendFailed,
 )
 from .gpu_steps import GpuSteps
+from .pids import check_free, task_ids
 from .proctree import process_tree
 from .transitions import KernelState
 
@@ -47,6 +49,9 @@ class Checkpointing(GpuSteps):
     checkpoint_bytes: int = 0
     gpu_memory_freed: int = 0
     _chores: set[asyncio.Future[Any]]
+    # (kernel id, image bytes) -> None, or raises to refuse a dumped image before it is
+    # committed (the checkpoint budget; set by the suspend manager).
+    image_guard: Callable[[str, int], None] | None = None
 
     @property
     def engine(self) -> CheckpointEngine:
@@ -172,9 +177,11 @@ class Checkpointing(GpuSteps):
         try:
             tmp = store.begin(kid)  # a full disk fails here, after the offload: undo it
             dump_s, sums = await engine.dump(self.pid or 0, tmp, progress=self._set_progress)
+            if self.image_guard is not None:
+                self.image_guard(kid, dir_bytes(tmp))
         except BaseException as e:
             await self._undo_dump(e, tmp, pids, gpu, gpu_state if not from_offload else None)
-            if isinstance(e, SuspendFailed | asyncio.CancelledError):
+            if isinstance(e, SuspendFailed | InsufficientStorage | asyncio.CancelledError):
                 raise
             raise SuspendFailed(f"Suspend of kernel {kid} failed: {e}") from e
         # From here on the suspend completes (or fails) as a whole: a cancellation that
@@ -227,6 +234,7 @@ class Checkpointing(GpuSteps):
                     "kernel_name": self._spec_name(),
                     "criu_version": engine.probe().criu_version,
                     "pidns": engine.pidns,
+                    "task_ids": [] if engine.pidns else task_ids(self.pid or 0),
                     "ports": self._ports(),
                     "gpu": gpu_state,
                     "timings": {"dump_s": dump_s},
@@ -322,6 +330,7 @@ class Checkpointing(GpuSteps):
         t0 = time.monotonic()
         try:
             manifest = store.check_sizes(kid)
+            check_free(manifest.get("task_ids"))
             gpu_state = manifest.get("gpu") or self._gpu_state
             gpu, plan = await self._admit(gpu_state)
         except InsufficientGpuMemory as e:

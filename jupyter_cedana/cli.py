@@ -22,7 +22,6 @@ import os
 import re
 import shutil
 import sys
-import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -31,8 +30,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
+from . import store_gc
 from ._version import __version__
-from .checkpoint import _ID_RE, MANIFEST, CheckpointStore
+from .checkpoint import CheckpointStore
 
 EXIT_OK = 0
 EXIT_ERROR = 1
@@ -50,14 +50,8 @@ _STATUS_EXIT = {
     404: EXIT_NOT_FOUND,
     409: EXIT_CONFLICT,
     503: EXIT_UNAVAILABLE,
+    507: EXIT_UNAVAILABLE,
 }
-
-#: Leftover logs and pid files younger than this are left alone by `gc`: they may belong
-#: to a kernel that is starting and not yet listed by its server.
-GC_MIN_AGE = 600.0
-
-_TMP_RE = re.compile(r"^\.(?P<kid>[A-Za-z0-9][A-Za-z0-9_-]*)\.tmp-(?P<pid>\d+)-\d+$")
-_PIDFILE_RE = re.compile(r"^\.(?P<kid>[A-Za-z0-9][A-Za-z0-9_-]*)\.pid$")
 
 
 class CliError(Exception):
@@ -309,6 +303,11 @@ def _state(k: dict[str, Any]) -> str:
     progress = k.get("progress")
     if isinstance(progress, dict) and state.startswith(("suspending", "resuming")):
         state += f" {float(progress.get('fraction') or 0) * 100:.0f}%"
+    queued = k.get("queued")
+    if isinstance(queued, dict):
+        state += f", queued to {queued.get('action')} (#{queued.get('position')})"
+    elif k.get("backoff"):
+        state += ", not suspending" if k["backoff"].get("not_checkpointable") else ", backing off"
     return state
 
 
@@ -422,11 +421,40 @@ def cmd_status(args: argparse.Namespace, client: Client) -> int:
             "Storage",
             f"{human_bytes(st.get('bytes_used'))} used, {human_bytes(st.get('bytes_free'))} free",
         ),
+        *_budget_rows(st.get("budget") or {}, st.get("queued") or {}),
         ("GPU", gpu_line),
     ]
     for name, value in rows:
         print(f"{name + ':':<17}{value}")
     return EXIT_OK
+
+
+def _budget_rows(budget: dict[str, Any], queued: dict[str, Any]) -> list[tuple[str, str]]:
+    rows = []
+    if budget.get("limit"):
+        rows.append(
+            (
+                "Budget",
+                f"{human_bytes(budget.get('used'))} of {human_bytes(budget.get('limit'))} "
+                f"used, {human_bytes(budget.get('reserved'))} reserved by dumps under way",
+            )
+        )
+    if budget.get("orphaned_images"):
+        rows.append(
+            (
+                "Orphaned images",
+                f"{budget['orphaned_images']} ({human_bytes(budget.get('orphaned_bytes'))}) "
+                "belong to no kernel; `jupyter cedana gc` removes them",
+            )
+        )
+    if queued.get("suspend") or queued.get("resume"):
+        rows.append(
+            (
+                "Queued",
+                f"{queued.get('suspend', 0)} suspend(s), {queued.get('resume', 0)} resume(s)",
+            )
+        )
+    return rows
 
 
 def cmd_suspend(args: argparse.Namespace, client: Client) -> int:
@@ -489,118 +517,6 @@ def cmd_keep_awake(args: argparse.Namespace, client: Client) -> int:
 
 
 # -- gc -----------------------------------------------------------------------------------
-
-
-@dataclass
-class Leftover:
-    kind: str  # image, temporary, log, pidfile
-    path: Path
-    kernel_id: str | None
-    bytes: int
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "kind": self.kind,
-            "path": str(self.path),
-            "kernel_id": self.kernel_id,
-            "bytes": self.bytes,
-        }
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _tree_bytes(path: Path) -> int:
-    if path.is_file():
-        return path.stat().st_size
-    total = 0
-    for dirpath, _dirs, files in os.walk(path):
-        for name in files:
-            with contextlib.suppress(OSError):
-                total += os.lstat(os.path.join(dirpath, name)).st_size
-    return total
-
-
-def gc_plan(store: CheckpointStore, keep: set[str], now: float | None = None) -> list[Leftover]:
-    """What `gc` removes from the store: images of kernels not in `keep`; temporaries of
-    dumps whose writer (the server process named in the directory's name) is gone; logs,
-    pid files and manifest-less directories of kernels not in `keep`, when older than
-    GC_MIN_AGE.
-
-    Unlike CheckpointStore.gc, this never touches a dump in progress, nor the log of a
-    kernel that is starting, so it is safe to run next to live servers.
-    """
-    now = time.time() if now is None else now
-
-    def old(p: Path) -> bool:
-        try:
-            return now - p.stat().st_mtime > GC_MIN_AGE
-        except OSError:
-            return False
-
-    plan = [
-        Leftover("image", store.path(kid), kid, store.size_of(kid) or _tree_bytes(store.path(kid)))
-        for kid in store.kernel_ids()
-        if kid not in keep
-    ]
-    for tmp in store.stale_temporaries():
-        m = _TMP_RE.match(tmp.name)
-        kid = m.group("kid") if m else None
-        if m and (kid in keep or _pid_alive(int(m.group("pid")))):
-            continue
-        plan.append(Leftover("temporary", tmp, kid, _tree_bytes(tmp)))
-
-    if store.root.is_dir():
-        # A kernel's directory without a manifest: what is left when CRIU writes into an
-        # image directory as it is being removed (e.g. its restore statistics).
-        for d in sorted(store.root.iterdir()):
-            if (
-                _ID_RE.match(d.name)
-                and d.is_dir()
-                and d.name not in keep
-                and not (d / MANIFEST).exists()
-                and old(d)
-            ):
-                plan.append(Leftover("leftover", d, d.name, _tree_bytes(d)))
-
-    images = {item.kernel_id for item in plan if item.kind == "image"}
-    logs = store.root / ".logs"
-    if logs.is_dir():
-        for log in sorted(logs.glob("*.log")):
-            kid = log.name[: -len(".log")]
-            # The log of an image being removed goes with it (CheckpointStore.remove).
-            if kid not in keep and kid not in images and old(log):
-                plan.append(Leftover("log", log, kid, log.stat().st_size))
-    if store.root.is_dir():
-        for pidfile in sorted(store.root.glob(".*.pid")):
-            m = _PIDFILE_RE.match(pidfile.name)
-            if m and m.group("kid") not in keep and old(pidfile):
-                plan.append(Leftover("pidfile", pidfile, m.group("kid"), 0))
-    return plan
-
-
-def gc_apply(store: CheckpointStore, plan: list[Leftover]) -> list[Leftover]:
-    removed = []
-    for item in plan:
-        try:
-            if item.kind == "image" and item.kernel_id:
-                store.remove(item.kernel_id)
-            elif item.path.is_dir():
-                shutil.rmtree(item.path)
-            else:
-                item.path.unlink(missing_ok=True)
-        except OSError as e:
-            print(f"could not remove {item.path}: {e}", file=sys.stderr)
-            continue
-        removed.append(item)
-    return removed
 
 
 def _resolved(path: str) -> str:
@@ -673,7 +589,8 @@ def cmd_gc(args: argparse.Namespace) -> int:
             "no_server",
         )
     store = CheckpointStore(root)
-    plan = gc_plan(store, keep)
+    found = store_gc.plan(store, keep)
+    plan = found.remove
     if args.root and plan and not args.dry_run and not args.yes:
         images = sum(1 for p in plan if p.kind == "image")
         question = (
@@ -688,7 +605,9 @@ def cmd_gc(args: argparse.Namespace) -> int:
         if answer not in ("y", "yes"):
             print("Nothing removed.")
             return EXIT_OK
-    removed = plan if args.dry_run else gc_apply(store, plan)
+    removed, errors = (plan, []) if args.dry_run else store_gc.apply(plan)
+    for error in errors:
+        print(error, file=sys.stderr)
     if args.json:
         _emit_json(
             {
@@ -696,9 +615,17 @@ def cmd_gc(args: argparse.Namespace) -> int:
                 "dry_run": bool(args.dry_run),
                 "kept_kernels": sorted(keep),
                 "removed": [item.to_json() for item in removed],
+                "left_alone": [item.to_json() for item in found.foreign],
             }
         )
     else:
+        if found.foreign:
+            print(
+                f"Left alone {len(found.foreign)} entr{'y' if len(found.foreign) == 1 else 'ies'}"
+                f" under {root} that jupyter-cedana cannot prove it wrote "
+                f"(e.g. {found.foreign[0].path.name}: {found.foreign[0].why}).",
+                file=sys.stderr,
+            )
         verb = "Would remove" if args.dry_run else "Removed"
         for item in removed:
             what = f"{item.kind} of kernel {item.kernel_id}" if item.kernel_id else item.kind
@@ -783,7 +710,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--root",
         metavar="DIR",
         help="clean this checkpoint root instead of the server's; without a running "
-        "server every image there is removed (asks first)",
+        "server every image there is removed (asks first). Only what jupyter-cedana can "
+        "prove it wrote is removed (images with its manifest, its temporary names)",
     )
     p.add_argument("--yes", "-y", action="store_true", help="do not ask (with --root)")
     p.add_argument(

@@ -27,6 +27,8 @@ from .checkpoint import CheckpointStore, FollowingHasher
 from .errors import EngineUnavailable, ResumeFailed, SuspendFailed
 
 MIN_CRIU = (4, 2)
+# Where scripts/grant-criu-caps.sh puts the copy of criu that carries file capabilities.
+GRANTED_CRIU = "/usr/local/lib/cedana/criu"
 _PACKAGE_BIN = Path(__file__).parent / "bin"
 _NO_PLUGINS = Path(__file__).parent / "criu_plugins"  # holds no .so: CRIU loads nothing
 
@@ -104,7 +106,9 @@ class CheckpointEngine(SingletonConfigurable):
     criu_path = Unicode(
         "",
         help="Path of the criu binary (4.2 or newer). Empty: the first of "
-        "/usr/local/sbin/criu, /usr/sbin/criu and criu on PATH that is new enough.",
+        "/usr/local/lib/cedana/criu (scripts/grant-criu-caps.sh), /usr/local/sbin/criu, "
+        "/usr/sbin/criu and criu on PATH that is new enough (and, without root, carries "
+        "cap_checkpoint_restore).",
     ).tag(config=True)
 
     init_path = Unicode(
@@ -262,7 +266,12 @@ class CheckpointEngine(SingletonConfigurable):
         candidates = (
             [self.criu_path]
             if self.criu_path
-            else ["/usr/local/sbin/criu", "/usr/sbin/criu", shutil.which("criu") or ""]
+            else [
+                GRANTED_CRIU,
+                "/usr/local/sbin/criu",
+                "/usr/sbin/criu",
+                shutil.which("criu") or "",
+            ]
         )
         reason = "criu not found (install CRIU 4.2 or newer: scripts/install-criu.sh)"
         info = EngineInfo(False, reason, None, None, self.pidns)
@@ -287,16 +296,16 @@ class CheckpointEngine(SingletonConfigurable):
                     "(older versions fail to dump kernels with TCP sockets)"
                 )
                 continue
+            if os.geteuid() != 0:
+                caps = _file_caps(cand)
+                if "cap_checkpoint_restore" not in caps and "cap_sys_admin" not in caps:
+                    info.reason = (
+                        f"not running as root and {cand} has no "
+                        "cap_checkpoint_restore capability (see docs/deployment.md)"
+                    )
+                    continue
             info = EngineInfo(True, None, cand, version, self.pidns)
             break
-        if info.available and os.geteuid() != 0:
-            caps = _file_caps(info.criu_path or "")
-            if "cap_checkpoint_restore" not in caps and "cap_sys_admin" not in caps:
-                info.available = False
-                info.reason = (
-                    f"not running as root and {info.criu_path} has no "
-                    "cap_checkpoint_restore capability (see docs/deployment.md)"
-                )
         self._info = info
         return info
 
@@ -475,16 +484,29 @@ def kill_restore(proc: subprocess.Popen[bytes]) -> None:
     half-restored tasks, which then spin on their dead parent's log forever."""
     from .proctree import process_tree
 
-    for pid in sorted(process_tree(proc.pid) - {proc.pid}):
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
+    # Kill below the keeper (cedana-init) until it exits by itself: it may fork CRIU only
+    # after a first look, and once CRIU is gone it exits, having reaped (as subreaper,
+    # without a PID namespace) the killed tasks it adopted. They hold the kernel's PIDs
+    # until reaped, and a retry needs them back.
+    deadline = time.monotonic() + 10
+    while True:
+        for pid in sorted(process_tree(proc.pid) - {proc.pid}):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        try:
+            proc.wait(0.05)
+            return
+        except subprocess.TimeoutExpired:
+            if time.monotonic() > deadline:
+                break
     with contextlib.suppress(ProcessLookupError):
         proc.kill()
     proc.wait()
 
 
 def _file_caps(path: str) -> str:
-    getcap = shutil.which("getcap")
+    # An ordinary user's PATH often lacks the sbin directories.
+    getcap = shutil.which("getcap", path=f"{os.environ.get('PATH', '')}:/usr/sbin:/sbin")
     if not getcap or not path:
         return ""
     try:

@@ -69,6 +69,13 @@ class NotCheckpointable(CedanaError):
     status = 409
 
 
+class InsufficientStorage(CedanaError):
+    """A dump would not fit in the checkpoint budget or on the checkpoint disk."""
+
+    code = "insufficient_storage"
+    status = 507
+
+
 class InsufficientGpuMemory(CedanaError):
     """Restore admission: no GPU has room for the kernel's device memory."""
 

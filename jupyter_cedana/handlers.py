@@ -105,8 +105,6 @@ class TransitionHandler(CedanaHandler):
                 # A person asked for the kernel: its idle countdown starts again.
                 touch(self.kernel_manager, kernel_id)
         except CedanaError as e:
-            if self.action == "suspend" and e.status >= 500:
-                self.manager.note_suspend_failure(kernel_id, e)
             self.fail(e)
             return
         self.set_status(200 if done else 202)

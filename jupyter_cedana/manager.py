@@ -10,24 +10,36 @@ import asyncio
 import contextlib
 import datetime as dt
 import time
-from pathlib import Path
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 from traitlets import Any as AnyTrait
-from traitlets import Instance
+from traitlets import Instance, default
 from traitlets.config import LoggingConfigurable
 
 from . import metrics
+from .backoff import SuspendBackoff
 from .checkpoint import validate_kernel_id
-from .engine import CheckpointEngine, tree_rss
-from .errors import CedanaError, Conflict, EngineUnavailable, NotFound
-from .policy import Decision, KernelFacts, SuspendPolicy
+from .engine import CheckpointEngine
+from .errors import CedanaError, Conflict, EngineUnavailable, InsufficientStorage, NotFound
+from .kernel_events import EVENT_SCHEMA, EVENT_SCHEMA_FILE, KernelEvents
+from .limits import (
+    Budget,
+    SuspendLimits,
+    TransitionQueue,
+    estimate_image_bytes,
+    gpu_bytes,
+    settled,
+)
+from .parkrecords import parked_kernel_ids
+from .policy import KernelFacts, SuspendPolicy
 from .proctree import process_tree
 from .provisioner import CedanaProvisioner, KernelState
+from .status import server_status
 
-EVENT_SCHEMA = "https://jupyter-cedana.readthedocs.io/events/kernel-state"
-EVENT_SCHEMA_FILE = Path(__file__).parent / "events" / "kernel_state.yaml"
 MAX_KEEP_AWAKE = 7 * 24 * 3600
+
+__all__ = ["EVENT_SCHEMA", "EVENT_SCHEMA_FILE", "SuspendManager"]
 
 
 def _iso(ts: float | None) -> str | None:
@@ -44,30 +56,64 @@ class SuspendManager(LoggingConfigurable):
     policy = Instance(SuspendPolicy)
     gpu_monitor = AnyTrait(None, allow_none=True, help="GpuMonitor, or None without NVML.")
     event_logger = AnyTrait(None, allow_none=True, help="jupyter_events EventLogger.")
+    limits = Instance(SuspendLimits)
+    backoff = Instance(SuspendBackoff)
+
+    @default("limits")
+    def _default_limits(self) -> SuspendLimits:
+        return SuspendLimits(parent=self)
+
+    @default("backoff")
+    def _default_backoff(self) -> SuspendBackoff:
+        return SuspendBackoff(parent=self)
 
     def __init__(self, **kwargs: Any):
         super().__init__(**kwargs)
         self._attached: set[int] = set()
         self._keep_awake: dict[str, float] = {}
-        self._decisions: dict[str, Decision] = {}
         self._gpus: dict[str, list[Any]] = {}
         self._gpus_before_suspend: dict[str, int] = {}
+        self._asked: set[str] = set()  # kernels a person asked to suspend
         self._tasks: dict[str, asyncio.Task[Any]] = {}
         self._loop_task: asyncio.Task[None] | None = None
         self._last_tick = time.monotonic()
-        self._last_progress_event: dict[str, float] = {}
-        self._previous_state: dict[str, str] = {}
-        self._resume_listeners: list[Any] = []
+        self.events = KernelEvents(self.log, lambda: self.event_logger)
+        self._image_owners: list[Callable[[], Iterable[str]]] = []
         self._suspend_guards: list[Any] = []
+        self.queue = TransitionQueue(self.limits)
+        self.budget = Budget(
+            store=lambda: self.engine.store,
+            limit=lambda: self.policy.max_checkpoint_bytes,
+            min_free=lambda: self.limits.min_free_disk_bytes,
+            owners=self.owned_image_ids,
+        )
 
     def on_resumed(self, callback: Any) -> None:
         """callback(kernel_id) after every successful resume, whoever asked for it."""
-        self._resume_listeners.append(callback)
+        self.events.resume_listeners.append(callback)
+
+    def add_image_owner(self, owner: Callable[[], Iterable[str]]) -> None:
+        """owner() names kernels whose images are owned though they are not kernels of
+        this server (e.g. parked kernels): their images count against the checkpoint
+        budget and are not reported as orphaned."""
+        self._image_owners.append(owner)
+
+    def owned_image_ids(self) -> set[str]:
+        """Kernels whose images are someone's: this server's, and parked ones."""
+        km = self.kernel_manager
+        owned = set(km.list_kernel_ids()) if km is not None else set()
+        owned |= parked_kernel_ids(self.engine.store)
+        for owner in self._image_owners:
+            owned.update(owner())
+        return owned
 
     def add_suspend_guard(self, guard: Any) -> None:
         """guard(kernel_id) -> True while the policy must not suspend that kernel (the
         message gate: messages held, being delivered, or a client connecting)."""
         self._suspend_guards.append(guard)
+
+    def _guarded(self, kernel_id: str) -> bool:
+        return any(guard(kernel_id) for guard in self._suspend_guards)
 
     def transition_pending(self, kernel_id: str) -> bool:
         """Whether a suspend or resume of the kernel is started and not finished."""
@@ -77,7 +123,13 @@ class SuspendManager(LoggingConfigurable):
 
     def start(self) -> None:
         if self._loop_task is None:
+            self.report_orphans()
             self._loop_task = asyncio.ensure_future(self._run())
+
+    def report_orphans(self) -> None:
+        orphans = self.budget.orphans()
+        if orphans:
+            self.log.warning("jupyter-cedana: %s", self.budget.describe(orphans))
 
     async def stop(self) -> None:
         if self._loop_task is not None:
@@ -85,6 +137,7 @@ class SuspendManager(LoggingConfigurable):
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._loop_task
             self._loop_task = None
+        self._cancel_queued(lambda kid: True)
         for task in list(self._tasks.values()):
             with contextlib.suppress(BaseException):
                 await asyncio.wait_for(asyncio.shield(task), timeout=30)
@@ -112,6 +165,7 @@ class SuspendManager(LoggingConfigurable):
             if id(prov) not in self._attached:
                 self._attached.add(id(prov))
                 prov.add_listener(self._on_change)
+                prov.image_guard = self.budget.check_image
             return prov
         return None
 
@@ -171,8 +225,11 @@ class SuspendManager(LoggingConfigurable):
         now = time.time()
         last = getattr(kernel, "last_activity", None)
         state = facts.state
+        setback = self.backoff.blocking(kernel_id, last) if state == "running" else None
         reason = None
-        if prov is not None and prov.reason:
+        if setback is not None:
+            reason = setback.describe()
+        elif prov is not None and prov.reason:
             reason = prov.reason
         elif decision.reason and decision.action is None:
             reason = decision.reason
@@ -185,7 +242,8 @@ class SuspendManager(LoggingConfigurable):
         gpus = self._gpus.get(kernel_id, [])
         suspend_at = None
         if state == "running" and decision.due_in is not None:
-            suspend_at = _iso(now + decision.due_in)
+            due = now + decision.due_in
+            suspend_at = _iso(max(due, setback.retry_at) if setback is not None else due)
         return {
             "id": kernel_id,
             "name": facts.kernelspec,
@@ -204,6 +262,8 @@ class SuspendManager(LoggingConfigurable):
             "suspendable": suspendable,
             "reason": reason,
             "progress": prov.progress.to_json() if prov and prov.progress else None,
+            "queued": self.queue.queued(kernel_id),
+            "backoff": setback.to_json() if setback is not None else None,
         }
 
     def list_kernels(self) -> list[dict[str, Any]]:
@@ -214,33 +274,7 @@ class SuspendManager(LoggingConfigurable):
         return views
 
     def status(self) -> dict[str, Any]:
-        info = self.engine.probe()
-        usage = self.engine.store.usage()
-        gpu: dict[str, Any] = {
-            "available": False,
-            "reason": "GPU monitor not loaded",
-            "driver_version": None,
-            "devices": [],
-            "checkpoint": False,
-        }
-        if self.gpu_monitor is not None:
-            gpu["available"] = bool(self.gpu_monitor.available)
-            gpu["reason"] = self.gpu_monitor.reason
-            gpu["driver_version"] = self.gpu_monitor.driver_version
-            gpu["devices"] = self.gpu_monitor.devices() if self.gpu_monitor.available else []
-        gpu["checkpoint"], cuda_reason = self.engine.cuda_status()
-        if gpu["available"] and not gpu["checkpoint"]:
-            gpu["reason"] = f"GPU memory cannot be checkpointed: {cuda_reason}"
-        return {
-            "available": info.available,
-            "reason": info.reason,
-            "criu_version": info.criu_version,
-            "root": info.pidns,
-            "checkpoint_root": str(self.engine.store.root),
-            "bytes_used": usage.bytes_used,
-            "bytes_free": usage.bytes_free,
-            "gpu": gpu,
-        }
+        return server_status(self.engine, self.gpu_monitor, self.budget, self.queue)
 
     # -- actions --------------------------------------------------------------------------
 
@@ -252,37 +286,94 @@ class SuspendManager(LoggingConfigurable):
             )
         return prov
 
-    def _check_storage(self, prov: CedanaProvisioner) -> None:
-        limit = self.policy.max_checkpoint_bytes
-        if limit <= 0 or prov.pid is None:
-            return
-        used = self.engine.store.usage().bytes_used
-        need = tree_rss(prov.pid)
-        if used + need > limit:
-            raise Conflict(
-                f"Checkpoint storage limit reached: {used + need} bytes needed of "
-                f"max_checkpoint_bytes={limit}; the kernel keeps running"
-            )
-
     async def suspend(
-        self, kernel_id: str, tier: str = "disk", wait: bool = True
+        self, kernel_id: str, tier: str = "disk", wait: bool = True, auto: bool = False
     ) -> tuple[dict[str, Any], bool]:
-        """Start (and by default finish) a suspend; returns the view and whether it is done."""
+        """Start (and by default finish) a suspend; returns the view and whether it is done.
+        `auto`: asked by the policy, which may change its mind while the suspend waits."""
         if tier not in ("disk", "offload"):
             raise CedanaError(f"Unknown tier {tier!r}", code="bad_request", status=400)
         prov = self._managed(kernel_id)
         if not self.engine.probe().available and tier == "disk":
-            raise EngineUnavailable(f"Checkpointing is unavailable: {self.engine.probe().reason}")
+            error = EngineUnavailable(f"Checkpointing is unavailable: {self.engine.probe().reason}")
+            self.note_suspend_failure(kernel_id, error)
+            raise error
         if prov.state == KernelState.suspended and (prov.tier == tier or tier == "offload"):
             raise Conflict(f"Kernel {kernel_id} is already suspended ({prov.tier})")
         if prov.state in (KernelState.resuming,):
             raise Conflict(f"Kernel {kernel_id} is resuming; suspend it once it runs")
         if prov.state == KernelState.failed:
             raise Conflict(f"Kernel {kernel_id} failed to resume ({prov.reason}); resume it first")
+        if not auto:
+            # It may join a queued automatic suspend, which must then not be dropped.
+            self._asked.add(kernel_id)
+        return await self._transition(
+            kernel_id, "suspend", lambda: self._suspend_now(kernel_id, prov, tier, auto), wait
+        )
+
+    async def _suspend_now(
+        self, kernel_id: str, prov: CedanaProvisioner, tier: str, auto: bool
+    ) -> Any:
+        """The suspend itself, once it has a slot: the disk it will take is reserved
+        first, and a failure is remembered so that the policy backs off."""
+        asked = kernel_id in self._asked
+        self._asked.discard(kernel_id)
+        auto = auto and not asked
+        if auto and not self._still_due(kernel_id, tier):
+            self.log.info("Policy: kernel %s no longer due for suspend; not suspending", kernel_id)
+            self._emit(kernel_id, "dequeued", prov.state.value, prov.tier)
+            return None
+        reserve = tier == "disk" and (
+            prov.state == KernelState.running
+            or (prov.state == KernelState.suspended and prov.tier == "offload")
+        )
         if prov.state == KernelState.running:
-            self._check_storage(prov)
             self._gpus_before_suspend[kernel_id] = len(self._gpus.get(kernel_id, []))
-        return await self._transition(kernel_id, "suspend", lambda: prov.suspend(tier), wait)
+        try:
+            if reserve:
+                try:
+                    self.budget.reserve(kernel_id, self._estimate(kernel_id, prov))
+                except InsufficientStorage as e:
+                    self.note_suspend_failure(kernel_id, e)  # the kernel never left running
+                    raise
+            result = await prov.suspend(tier)
+        except CedanaError as e:
+            if auto or not isinstance(e, Conflict):
+                self.backoff.failed(kernel_id, e, self._last_activity(kernel_id))
+            raise
+        finally:
+            if reserve:
+                self.budget.release(kernel_id)
+        self.backoff.succeeded(kernel_id)
+        return result
+
+    def _last_activity(self, kernel_id: str) -> dt.datetime | None:
+        try:
+            return getattr(self.kernel_manager.get_kernel(kernel_id), "last_activity", None)
+        except KeyError:
+            return None
+
+    def _still_due(self, kernel_id: str, tier: str) -> bool:
+        """Whether the policy still wants this suspend (the kernel may have run code, or
+        been kept awake, while the suspend waited for a slot)."""
+        try:
+            kernel = self.kernel_manager.get_kernel(kernel_id)
+        except KeyError:
+            return False
+        decision = self.policy.decide(self._facts(kernel_id, kernel))
+        return (
+            decision.action == tier
+            and not self._guarded(kernel_id)
+            and self.backoff.blocking(kernel_id, self._last_activity(kernel_id)) is None
+        )
+
+    def _estimate(self, kernel_id: str, prov: CedanaProvisioner) -> int:
+        """The bytes a dump will write: memory, and GPU memory unless already offloaded
+        (then it is in host memory)."""
+        if prov.state != KernelState.running or not prov.pid:
+            return estimate_image_bytes(prov.pid or 0)
+        sampled = sum(g.memory_bytes for g in self._gpus.get(kernel_id, []))
+        return estimate_image_bytes(prov.pid, gpu_bytes(prov.pid, self.gpu_monitor, sampled))
 
     async def resume(self, kernel_id: str, wait: bool = True) -> tuple[dict[str, Any], bool]:
         prov = self._managed(kernel_id)
@@ -293,16 +384,18 @@ class SuspendManager(LoggingConfigurable):
         return await self._transition(kernel_id, "resume", prov.resume, wait)
 
     async def _transition(
-        self, kernel_id: str, kind: str, start: Any, wait: bool
+        self, kernel_id: str, kind: str, start: Callable[[], Awaitable[Any]], wait: bool
     ) -> tuple[dict[str, Any], bool]:
-        task = self._tasks.get(f"{kernel_id}:{kind}")
+        key = f"{kernel_id}:{kind}"
+        task = self._tasks.get(key)
         if task is None:
-            task = asyncio.ensure_future(start())
-            key = f"{kernel_id}:{kind}"
+            task = asyncio.ensure_future(self._limited(kernel_id, kind, start))
             self._tasks[key] = task
 
             def done(t: asyncio.Task[Any], key: str = key) -> None:
                 self._tasks.pop(key, None)
+                if kind == "suspend":
+                    self._asked.discard(kernel_id)
                 if not t.cancelled() and t.exception() is not None and not wait:
                     self.log.warning("Background %s failed: %s", key, t.exception())
 
@@ -310,8 +403,25 @@ class SuspendManager(LoggingConfigurable):
         if not wait:
             await asyncio.sleep(0)  # let the transition mark its state
             return self.view(kernel_id), task.done()
-        await asyncio.shield(task)
+        await settled(task, f"The {kind} of kernel {kernel_id}")
         return self.view(kernel_id), True
+
+    async def _limited(self, kernel_id: str, kind: str, start: Callable[[], Awaitable[Any]]) -> Any:
+        """Run a transition once one of the `kind` slots is free (SuspendLimits)."""
+
+        def queued(ahead: int) -> None:
+            self.log.info("Kernel %s: %s queued behind %d others", kernel_id, kind, ahead)
+            self._emit(kernel_id, "queued", self.state_of(kernel_id), None, reason=kind)
+
+        return await self.queue.run(kernel_id, kind, start, queued)
+
+    def _cancel_queued(self, which: Callable[[str], bool]) -> None:
+        """Cancel transitions still waiting for a slot, of the kernels `which` selects."""
+        for kid, kind in self.queue.waiting():
+            task = self._tasks.get(f"{kid}:{kind}")
+            if task is not None and which(kid):
+                self.log.info("Kernel %s: queued %s cancelled", kid, kind)
+                task.cancel()
 
     async def ensure_running(self, kernel_id: str) -> None:
         """Wait for a transition in flight, then resume if the kernel is not running."""
@@ -319,7 +429,7 @@ class SuspendManager(LoggingConfigurable):
             task = self._tasks.get(key)
             if task is not None:
                 with contextlib.suppress(CedanaError):
-                    await asyncio.shield(task)
+                    await settled(task, f"The transition of kernel {kernel_id}")
         if self.state_of(kernel_id) != KernelState.running.value:
             await self.resume(kernel_id)
 
@@ -346,6 +456,8 @@ class SuspendManager(LoggingConfigurable):
         ids = list(self.kernel_manager.list_kernel_ids())
         for gone in set(self._keep_awake) - set(ids):
             self._keep_awake.pop(gone, None)
+        self.backoff.forget_except(set(ids))
+        self._cancel_queued(lambda kid: kid not in ids)
         self._sample_gpus(ids)
         suspended = 0
         freed = 0
@@ -360,17 +472,21 @@ class SuspendManager(LoggingConfigurable):
                 freed += prov.gpu_memory_freed
                 metrics.GPU_SECONDS_RECLAIMED.inc(self._gpus_before_suspend.get(kid, 0) * elapsed)
             decision = self.policy.decide(self._facts(kid, kernel))
-            self._decisions[kid] = decision
             if decision.action is None or any(k.startswith(kid) for k in self._tasks):
                 continue
-            if decision.action != "shutdown" and any(g(kid) for g in self._suspend_guards):
+            if decision.action != "shutdown" and self._guarded(kid):
                 continue
-            self.log.info("Policy: %s kernel %s (%s)", decision.action, kid, decision.reason)
             if decision.action == "shutdown":
+                self.log.info("Policy: shut down kernel %s (%s)", kid, decision.reason)
                 await self.kernel_manager.shutdown_kernel(kid)
                 continue
+            setback = self.backoff.blocking(kid, getattr(kernel, "last_activity", None))
+            if setback is not None:
+                self.log.debug("Policy: not suspending kernel %s: %s", kid, setback.describe())
+                continue
+            self.log.info("Policy: %s kernel %s (%s)", decision.action, kid, decision.reason)
             try:
-                await self.suspend(kid, tier=decision.action, wait=False)
+                await self.suspend(kid, tier=decision.action, wait=False, auto=True)
             except CedanaError as e:
                 self.log.info("Policy could not suspend kernel %s: %s", kid, e.message)
         metrics.SUSPENDED_KERNELS.set(suspended)
@@ -412,90 +528,14 @@ class SuspendManager(LoggingConfigurable):
     # -- events ---------------------------------------------------------------------------
 
     def _on_change(self, prov: CedanaProvisioner, what: str) -> None:
-        kid = str(prov.kernel_id)
-        state = prov.state.value
-        if what == "progress":
-            now = time.monotonic()
-            if now - self._last_progress_event.get(kid, 0) < 0.25:
-                return
-            self._last_progress_event[kid] = now
-            self._emit(kid, "progress", state, prov.tier, progress=prov.progress)
-            return
-        before = self._previous_state.get(kid, "running")
-        self._previous_state[kid] = state
-        if state == before and state != "failed":
-            return
-        if state == "suspending":
-            self._emit(kid, "suspending", state, prov.tier)
-        elif state == "resuming":
-            self._emit(kid, "resuming", state, prov.tier)
-        elif state == "suspended" and before in ("suspending", "running"):
-            metrics.SUSPENDS.labels(prov.tier or "disk").inc()
-            if prov.last_suspend_seconds is not None:
-                metrics.SUSPEND_SECONDS.observe(prov.last_suspend_seconds)
-            self._emit(
-                kid,
-                "suspended",
-                state,
-                prov.tier,
-                duration=prov.last_suspend_seconds,
-                bytes_=prov.checkpoint_bytes,
-                gpu=prov.gpu_memory_freed,
-            )
-        elif state == "running" and before == "resuming":
-            metrics.RESUMES.labels("disk").inc()
-            if prov.last_resume_seconds is not None:
-                metrics.RESUME_SECONDS.observe(prov.last_resume_seconds)
-            self._emit(kid, "resumed", state, None, duration=prov.last_resume_seconds)
-            for callback in self._resume_listeners:
-                callback(kid)
-        elif state == "running" and before == "suspending":
-            metrics.FAILURES.labels("suspend", _reason_label(prov.reason)).inc()
-            self._emit(kid, "failed", state, None, reason=prov.reason)
-        elif state == "failed" or (state == "suspended" and before == "resuming"):
-            metrics.FAILURES.labels("resume", _reason_label(prov.reason)).inc()
-            self._emit(kid, "failed", state, prov.tier, reason=prov.reason)
+        progress = prov.progress
+        if what == "progress" and progress is not None and progress.phase == "dump":
+            self.budget.written(str(prov.kernel_id), progress.bytes_done or 0)
+        self.events.on_change(prov, what)
 
     def note_suspend_failure(self, kernel_id: str, error: CedanaError) -> None:
         """A suspend refused before the provisioner changed state (e.g. CRIU missing)."""
-        metrics.FAILURES.labels("suspend", error.code).inc()
-        self._emit(kernel_id, "failed", self.state_of(kernel_id), None, reason=error.message)
+        self.events.refused(kernel_id, self.state_of(kernel_id), error)
 
-    def _emit(
-        self,
-        kernel_id: str,
-        action: str,
-        state: str,
-        tier: str | None,
-        duration: float | None = None,
-        bytes_: int | None = None,
-        gpu: int | None = None,
-        reason: str | None = None,
-        progress: Any = None,
-    ) -> None:
-        if self.event_logger is None:
-            return
-        data = {
-            "kernel_id": kernel_id,
-            "action": action,
-            "state": state,
-            "tier": tier,
-            "duration_seconds": duration,
-            "checkpoint_bytes": bytes_,
-            "gpu_memory_freed_bytes": gpu,
-            "reason": reason,
-            "progress": progress.to_json() if progress is not None else None,
-        }
-        try:
-            self.event_logger.emit(schema_id=EVENT_SCHEMA, data=data)
-        except Exception:
-            self.log.exception("could not emit cedana event")
-
-
-def _reason_label(reason: str | None) -> str:
-    """A low-cardinality label for a failure reason."""
-    text = (reason or "").lower()
-    for key in ("checksum", "truncated", "missing", "space", "size", "timeout", "gpu", "criu"):
-        if key in text:
-            return key
-    return "other"
+    def _emit(self, kernel_id: str, action: str, state: str, tier: str | None, **kw: Any) -> None:
+        self.events.emit(kernel_id, action, state, tier, **kw)

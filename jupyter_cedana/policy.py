@@ -95,8 +95,11 @@ class SuspendPolicy(LoggingConfigurable):
 
     max_checkpoint_bytes = Integer(
         0,
-        help="Most bytes all checkpoint images together may use; a suspend that would go "
-        "over it is refused (the kernel keeps running). 0: no limit but the disk.",
+        help="Most bytes all checkpoint images together may use. Each dump reserves its "
+        "estimated size (the kernel's memory plus its GPU memory) before it starts, so "
+        "concurrent suspends cannot overshoot it; a suspend that would go over it is "
+        "refused (the kernel keeps running). Images that no kernel owns (left by a crash) "
+        "do not count. 0: no limit but the disk (see SuspendLimits.min_free_disk_bytes).",
     ).tag(config=True)
 
     retention = Float(

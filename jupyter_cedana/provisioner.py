@@ -25,6 +25,7 @@ from .adoption import claim_adoption
 from .checkpointing import Checkpointing
 from .errors import Conflict
 from .launch import check_executable, ipykernel_options, pidns_environment
+from .pids import KernelPids
 from .proctree import process_tree
 from .transitions import KernelState, Listener, Progress, TransitionMachine
 
@@ -65,6 +66,8 @@ class CedanaProvisioner(Checkpointing, TransitionMachine, LocalProvisioner):  # 
         wrapped = [engine.init_binary()]
         if engine.pidns:
             wrapped.append("--pidns")
+        else:
+            wrapped += KernelPids(parent=engine).launch_args()
         if engine.kernels_die_with_server:
             wrapped.append("--die-with-parent")
         kw = LocalProvisioner._scrub_kwargs(kwargs)

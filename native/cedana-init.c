@@ -1,7 +1,8 @@
 /*
  * cedana-init: the process a checkpointable kernel runs under.
  *
- *   cedana-init [--pidns] [--pidfile PATH] [--die-with-parent] -- CMD ARGS...
+ *   cedana-init [--pidns] [--pidfile PATH] [--die-with-parent]
+ *               [--pid-base N --pid-helper PATH] -- CMD ARGS...
  *   cedana-init --keeper PIDFILE [--die-with-parent] -- CMD ARGS...
  *
  * It forks an init (the pid written to --pidfile) and stays behind as its watcher,
@@ -24,8 +25,19 @@
  * signals to that group, reaps orphans, and exits with CMD's status. Python as PID 1 would
  * ignore SIGTERM and leave zombies. It sets no parent-death signal: one would fire right
  * after a restore, since the restored tree has a new parent.
+ *
+ * Without --pidns nothing ends orphans with the namespace, so the init and the watcher
+ * are child subreapers: a kernel's orphans (a daemon started from a notebook) become
+ * their children instead of the system init's, and are killed when CMD has exited.
+ *
+ * --pid-base N --pid-helper PATH (without --pidns): before forking the init, run
+ * PATH N (cedana-pidbase, which holds cap_checkpoint_restore) to move the PID cursor to N
+ * when it is below: the kernel's PIDs then lie above N, away from the low PIDs a freshly
+ * started server takes, so that its image can be restored there. Best effort: a helper
+ * that fails only means ordinary PIDs.
  */
 #define _GNU_SOURCE
+#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <sched.h>
@@ -86,6 +98,55 @@ static void reset_signals(void)
 	signal(SIGCHLD, SIG_DFL);
 	signal(PARENT_DIED, SIG_DFL);
 	sigprocmask(SIG_SETMASK, &empty, NULL);
+}
+
+/* Kills this process's children (orphans adopted as subreaper included), found by their
+ * parent in /proc/PID/stat; returns how many there were. */
+static int kill_children(void)
+{
+	DIR *proc = opendir("/proc");
+	struct dirent *e;
+	int n = 0;
+	pid_t self = getpid();
+	if (!proc)
+		return -1;
+	while ((e = readdir(proc)) != NULL) {
+		char path[64], buf[512];
+		if (e->d_name[0] < '1' || e->d_name[0] > '9')
+			continue;
+		snprintf(path, sizeof(path), "/proc/%d/stat", atoi(e->d_name));
+		int fd = open(path, O_RDONLY | O_CLOEXEC);
+		if (fd < 0)
+			continue;
+		ssize_t len = read(fd, buf, sizeof(buf) - 1);
+		close(fd);
+		if (len <= 0)
+			continue;
+		buf[len] = '\0';
+		/* The command name may hold spaces and parentheses: parse after the last ')'. */
+		char *rest = strrchr(buf, ')');
+		char state;
+		int ppid;
+		if (rest && sscanf(rest + 1, " %c %d", &state, &ppid) == 2 && ppid == self) {
+			kill((pid_t)atoi(e->d_name), SIGKILL);
+			n++;
+		}
+	}
+	closedir(proc);
+	return n;
+}
+
+/* After CMD has exited: kill and reap whatever is left below us. Orphans' own children
+ * become ours as their parents die, so repeat until none is left. */
+static void kill_leftovers(void)
+{
+	for (;;) {
+		kill_children();
+		int status;
+		pid_t pid = waitpid(-1, &status, 0);
+		if (pid < 0 && errno != EINTR)
+			return; /* ECHILD: nothing left */
+	}
 }
 
 static int exit_code(int status)
@@ -190,6 +251,8 @@ static int run_init(char **argv, const sigset_t *set)
 {
 	/* Fails with EPERM when already a session leader (no --pidns): that is fine. */
 	setsid();
+	if (getpid() != 1 && prctl(PR_SET_CHILD_SUBREAPER, 1) < 0)
+		die("prctl(PR_SET_CHILD_SUBREAPER)");
 	unsetenv("JPY_PARENT_PID");
 	pid_t kernel = fork();
 	if (kernel < 0)
@@ -201,13 +264,32 @@ static int run_init(char **argv, const sigset_t *set)
 		die(argv[0]);
 	}
 	setpgid(kernel, kernel);
-	return supervise(kernel, -kernel, set, NULL);
+	int code = supervise(kernel, -kernel, set, NULL);
+	if (getpid() != 1)
+		kill_leftovers();
+	return code;
+}
+
+/* Runs the capability-holding helper that raises the PID cursor; see --pid-base. */
+static void raise_pid_cursor(const char *helper, const char *base)
+{
+	pid_t pid = fork();
+	if (pid < 0)
+		return;
+	if (pid == 0) {
+		reset_signals();
+		execl(helper, helper, base, (char *)NULL);
+		_exit(127);
+	}
+	int status;
+	while (waitpid(pid, &status, 0) < 0 && errno == EINTR)
+		;
 }
 
 int main(int argc, char **argv)
 {
 	int pidns = 0, die_with_parent = 0;
-	const char *pidfile = NULL, *keeper = NULL;
+	const char *pidfile = NULL, *keeper = NULL, *pid_base = NULL, *pid_helper = NULL;
 	int i = 1;
 	for (; i < argc; i++) {
 		if (strcmp(argv[i], "--pidns") == 0) {
@@ -218,6 +300,10 @@ int main(int argc, char **argv)
 			pidfile = argv[++i];
 		} else if (strcmp(argv[i], "--keeper") == 0 && i + 1 < argc) {
 			keeper = argv[++i];
+		} else if (strcmp(argv[i], "--pid-base") == 0 && i + 1 < argc) {
+			pid_base = argv[++i];
+		} else if (strcmp(argv[i], "--pid-helper") == 0 && i + 1 < argc) {
+			pid_helper = argv[++i];
 		} else if (strcmp(argv[i], "--") == 0) {
 			i++;
 			break;
@@ -227,7 +313,7 @@ int main(int argc, char **argv)
 	}
 	if (i >= argc) {
 		fprintf(stderr, "usage: cedana-init [--pidns] [--pidfile PATH] [--die-with-parent] "
-				"-- CMD [ARGS...]\n"
+				"[--pid-base N --pid-helper PATH] -- CMD [ARGS...]\n"
 				"       cedana-init --keeper PIDFILE [--die-with-parent] -- CMD [ARGS...]\n");
 		return 2;
 	}
@@ -237,6 +323,10 @@ int main(int argc, char **argv)
 	take_signals(&set);
 	if (die_with_parent)
 		watch_parent(&w);
+
+	/* Without a PID namespace, orphans must come to us, not to the system's init. */
+	if (!pidns && prctl(PR_SET_CHILD_SUBREAPER, 1) < 0)
+		die("prctl(PR_SET_CHILD_SUBREAPER)");
 
 	if (keeper) {
 		pid_t child = fork();
@@ -248,10 +338,14 @@ int main(int argc, char **argv)
 			execvp(cmd[0], cmd);
 			die(cmd[0]);
 		}
-		return supervise(child, child, &set, &w);
+		int code = supervise(child, child, &set, &w);
+		kill_leftovers();
+		return code;
 	}
 	if (pidns && unshare(CLONE_NEWPID) < 0)
 		die("unshare(CLONE_NEWPID)");
+	if (!pidns && pid_base && pid_helper)
+		raise_pid_cursor(pid_helper, pid_base);
 	pid_t init = fork();
 	if (init < 0)
 		die("fork");
@@ -262,5 +356,8 @@ int main(int argc, char **argv)
 	}
 	if (pidfile)
 		write_pidfile(pidfile, init);
-	return supervise(init, init, &set, &w);
+	int code = supervise(init, init, &set, &w);
+	if (!pidns)
+		kill_leftovers();
+	return code;
 }

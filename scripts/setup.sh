@@ -3,7 +3,9 @@
 #   system packages, CRIU >= 4.2, a virtualenv at .venv with the package (its native
 #   helpers and the JupyterLab extension are built by the Python build).
 # Usage: scripts/setup.sh [--test]   (--test adds what the test suite needs: chromium,
-#                                    linters, jest dependencies)
+#                                    linters, jest dependencies; as root also the non-root
+#                                    test users and criu with file capabilities; the
+#                                    JupyterHub proxy)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -19,6 +21,9 @@ for p in build-essential make pkg-config libcap2-bin; do want "$p"; done
 command -v node >/dev/null 2>&1 || want nodejs
 command -v python3 >/dev/null 2>&1 || { want python3; want python3-venv; }
 [ "$TEST" = 1 ] && want chromium
+# Non-root tests: a virtualenv from the system's python3 (readable by the test users),
+# ACLs when the checkout sits under a private directory.
+[ "$TEST" = 1 ] && [ "$(id -u)" = 0 ] && { want python3-venv; want acl; }
 if [ ${#need_pkgs[@]} -gt 0 ]; then
   [ "$(id -u)" = 0 ] || fail "missing system packages (${need_pkgs[*]}); run as root or install them"
   say "installing system packages: ${need_pkgs[*]}"
@@ -52,6 +57,9 @@ fi
 # Builds native/ (C, -Werror) and the labextension (jlpm install + build) and installs
 # the package editable with its dependencies.
 say "building and installing jupyter-cedana (native helpers, JupyterLab extension)"
+# A previous run's `labextension develop` left install.json in the built extension, which
+# the wheel's shared-data would add a second time: it is written again below.
+rm -f jupyter_cedana/labextension/install.json
 "$VPY" -m pip install -q --no-build-isolation -e ".[$extras]" || fail "pip install -e ."
 # The editable install copies the built extension; link it instead so rebuilds show up.
 "$ROOT/.venv/bin/jupyter" labextension develop --overwrite . >/dev/null 2>&1 \
@@ -70,4 +78,13 @@ print(f"[setup] checkpoint engine: CRIU {info.criu_version} at {info.criu_path},
       f"PID namespaces {'on' if info.pidns else 'off (not root)'}")
 raise SystemExit(0 if info.available else f"unavailable: {info.reason}")
 PY
+if [ "$TEST" = 1 ]; then
+  if [ "$(id -u)" = 0 ]; then
+    # Test users, criu with file capabilities for group `cedana`, a venv they can read.
+    say "non-root test set-up (users cedana-test, cedana-test2; scripts/grant-criu-caps.sh)"
+    bash scripts/setup-nonroot.sh >/dev/null || fail "non-root test set-up"
+  fi
+  say "configurable-http-proxy for the JupyterHub tests (tests/hub/)"
+  bash scripts/setup-hub.sh || fail "JupyterHub test set-up"
+fi
 say "done"

@@ -26,3 +26,13 @@ step "pytest"
 python -m pytest "$@"
 step "peer conformance: nbclient and jupyter_client kernel suites, cedana-provisioner vs stock"
 bash scripts/conformance.sh
+if [ $# -eq 0 ] && [ "$(id -u)" = 0 ]; then
+  # The suspend / resume / transparent-resume tests and the Hub tests again as an
+  # ordinary user, with the capability-carrying criu and no PID namespaces (the Hub then
+  # runs as that user too, and spawns only that user's server).
+  step "pytest as the ordinary user cedana-test"
+  NR=$ROOT/.venv-nonroot/bin
+  runuser -u cedana-test -- env -i HOME=/home/cedana-test LANG=C.UTF-8 PATH="$NR:/usr/bin:/bin" \
+    "$NR/python" -m pytest -p no:cacheprovider \
+    tests/test_provisioner.py tests/test_server.py tests/test_parent_death.py tests/hub
+fi

@@ -7,6 +7,7 @@ import contextlib
 import json
 import os
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
@@ -440,6 +441,61 @@ def test_gc_root_without_server(server: Server, tmp_path: Path) -> None:
     assert "Removed 2 item(s)" in out
 
 
+def test_gc_pointed_at_the_wrong_root_removes_nothing(server: Server, tmp_path: Path) -> None:
+    """A mistyped --root (here: a user's directory) must not lose anything: gc removes only
+    what it can prove jupyter-cedana wrote, and says what it left alone."""
+    env = {**server.env, "JUPYTER_RUNTIME_DIR": str(tmp_path / "runtime")}
+    home = tmp_path / "home"
+    (home / "project").mkdir(parents=True)
+    (home / "project" / "data.csv").write_text("1,2,3")
+    (home / "notes.txt").write_text("mine")
+    foreign_id = str(uuid.uuid4())
+    (home / foreign_id).mkdir()  # named like a kernel id, no manifest
+    (home / foreign_id / "results.json").write_text("{}")
+    (home / str(uuid.uuid4())).write_text("a file named like a kernel id")
+    elsewhere = plant_image(tmp_path / "other-root", str(uuid.uuid4()))
+    (home / elsewhere.name).symlink_to(elsewhere)  # a link to a real image elsewhere
+    (home / ".logs").mkdir()
+    (home / ".logs" / f"{foreign_id}.log").write_text("a log of the user's")
+    old = time.time() - 7 * 86400
+    for path in [home, *home.rglob("*")]:
+        os.utime(path, (old, old), follow_symlinks=False)
+
+    def snapshot() -> dict[str, str]:
+        found = {}
+        for path in sorted([*home.rglob("*"), *elsewhere.rglob("*")]):
+            kind = "link" if path.is_symlink() else "dir" if path.is_dir() else "file"
+            found[str(path)] = kind + (":" + path.read_text() if kind == "file" else "")
+        return found
+
+    before = snapshot()
+    result = cedana(server, "gc", "--root", str(home), "--yes", env=env)
+    assert "Nothing to remove" in result.stdout, result.stdout
+    assert "Left alone" in result.stderr and "cannot prove" in result.stderr
+    report = json.loads(
+        cedana(server, "gc", "--root", str(home), "--yes", "--json", env=env).stdout
+    )
+    assert report["removed"] == []
+    left = {Path(e["path"]).name: e["why"] for e in report["left_alone"]}
+    assert left[elsewhere.name] == "a symbolic link"
+    assert "no manifest" in left[foreign_id]
+    assert snapshot() == before
+    assert not (home / ".jupyter-cedana").exists()
+
+
+def test_status_reports_orphaned_images(server: Server) -> None:
+    orphan_id = str(uuid.uuid4())
+    orphan = plant_image(server.checkpoint_root, orphan_id, b"y" * 5000)
+    try:
+        out = cedana(server, "status").stdout
+        assert "Orphaned images: 1 (4.9 KiB) belong to no kernel" in out, out
+        st = json.loads(cedana(server, "status", "--json").stdout)
+        assert st["budget"]["orphaned_kernel_ids"] == [orphan_id]
+        assert st["budget"]["orphaned_bytes"] == 5000
+    finally:
+        shutil.rmtree(orphan)
+
+
 # -- server shutdown -------------------------------------------------------------------------
 
 
@@ -538,24 +594,19 @@ def test_server_shutdown_leaves_no_kernel_process_or_image(tmp_path: Path) -> No
     assert not list(server.runtime_dir.glob("jpserver-*.json"))
 
 
-def test_gc_plan_spares_what_may_belong_to_a_starting_kernel(tmp_path: Path) -> None:
-    from jupyter_cedana.checkpoint import CheckpointStore
-    from jupyter_cedana.cli import GC_MIN_AGE, gc_plan
+def test_list_says_what_waits_and_what_backs_off() -> None:
+    from jupyter_cedana.cli import kernel_row
 
-    store = CheckpointStore(tmp_path)
-    logs = tmp_path / ".logs"
-    logs.mkdir()
-    live, gone = str(uuid.uuid4()), str(uuid.uuid4())
-    for kid in (live, gone):
-        (logs / f"{kid}.log").write_text("log")
-        (tmp_path / f".{kid}.pid").write_text("1")
-        (tmp_path / kid).mkdir()  # no manifest: what a racing CRIU leaves
-        (tmp_path / kid / "stats-restore").write_bytes(b"1234")
-    plant_image(tmp_path, orphan := str(uuid.uuid4()))
-
-    now = time.time()
-    fresh = {(i.kind, i.kernel_id) for i in gc_plan(store, keep={live}, now=now)}
-    assert fresh == {("image", orphan)}
-
-    later = {(i.kind, i.kernel_id) for i in gc_plan(store, keep={live}, now=now + GC_MIN_AGE + 1)}
-    assert later == {("image", orphan), ("log", gone), ("pidfile", gone), ("leftover", gone)}
+    base = {"id": "k", "name": "python3", "idle_seconds": 5, "gpus": [], "checkpoint_bytes": 0}
+    queued = {**base, "state": "running", "queued": {"action": "suspend", "position": 2}}
+    assert kernel_row(queued)[2] == "running, queued to suspend (#2)"
+    stuck = {
+        **base,
+        "state": "running",
+        "reason": "Not checkpointable: it holds a socket connected to a process outside",
+        "backoff": {"failures": 1, "not_checkpointable": True},
+    }
+    row = kernel_row(stuck)
+    assert row[2] == "running, not suspending" and row[-1].startswith("Not checkpointable")
+    failing = {**base, "state": "running", "backoff": {"failures": 3, "not_checkpointable": False}}
+    assert kernel_row(failing)[2] == "running, backing off"

@@ -16,6 +16,7 @@ import pytest
 from jupyter_client.kernelspec import KernelSpecManager
 from jupyter_client.manager import AsyncKernelManager
 
+from jupyter_cedana.checkpoint import ROOT_MARKER
 from jupyter_cedana.errors import Conflict, SuspendFailed
 from jupyter_cedana.proctree import process_tree
 from jupyter_cedana.provisioner import KernelState
@@ -48,7 +49,7 @@ async def gone(pids: set[int], timeout: float = 60) -> set[int]:
 
 def image_dirs(root: Path) -> list[str]:
     """Images and temporaries (dumps in progress, deletions) under the checkpoint root."""
-    return sorted(p.name for p in root.iterdir() if p.name not in (".logs", ".work"))
+    return sorted(p.name for p in root.iterdir() if p.name not in (".logs", ".work", ROOT_MARKER))
 
 
 def port_free(port: int) -> bool:

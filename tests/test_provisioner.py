@@ -14,11 +14,15 @@ from pathlib import Path
 import pytest
 from jupyter_client.manager import _ShutdownStatus
 
+from jupyter_cedana.checkpoint import ROOT_MARKER
 from jupyter_cedana.errors import CheckpointCorrupt, Conflict, ResumeFailed, SuspendFailed
 from jupyter_cedana.provisioner import KernelState
 from tests.conftest import kernel_pids, run, wait_iopub
 
 pytestmark = pytest.mark.criu
+
+# What a checkpoint root holds besides images: kernel logs and the store's marker.
+BOOKKEEPING = (".logs", ROOT_MARKER)
 
 STATE_SETUP = r"""
 import os, sys, threading, time, json
@@ -86,7 +90,10 @@ async def test_suspend_resume_keeps_state(kernel, checkpoint_root: Path) -> None
     await prov.resume()
     assert prov.state == KernelState.running
     assert not image.exists()  # deleted after a successful resume by default
-    assert prov.pid not in pids_before  # a new host PID, in a new PID namespace
+    if prov.engine.pidns:
+        assert prov.pid not in pids_before  # a new host PID, in a new PID namespace
+    else:
+        assert prov.pid in pids_before  # without one, every task gets its old PID back
     await wait_iopub(kc)
     reply, out = await run(kc, STATE_CHECK)
     assert reply["status"] == "ok", out
@@ -200,7 +207,7 @@ async def test_shutdown_of_suspended_kernel_leaves_nothing(kernel, checkpoint_ro
     # Done at the shutdown request: no SIGTERM/SIGKILL grace period spent on it.
     assert kernel._shutdown_status == _ShutdownStatus.ShutdownRequest
     assert not (checkpoint_root / kernel.kernel_id).exists()
-    assert [p.name for p in checkpoint_root.iterdir() if not p.name.startswith(".logs")] == []
+    assert [p.name for p in checkpoint_root.iterdir() if p.name not in BOOKKEEPING] == []
     assert not list((checkpoint_root / ".logs").iterdir())
     with socket.socket() as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -256,7 +263,7 @@ async def test_failed_dump_leaves_kernel_running(kernel, checkpoint_root: Path) 
     for pid in pids:  # continued, not left stopped
         with open(f"/proc/{pid}/stat") as f:
             assert f.read().rsplit(")", 1)[1].split()[0] != "T"
-    assert [p for p in checkpoint_root.iterdir() if p.name != ".logs"] == []
+    assert [p for p in checkpoint_root.iterdir() if p.name not in BOOKKEEPING] == []
     reply, out = await run(kc, "print(y * 6)")
     assert out.strip() == "42"
 
@@ -294,6 +301,7 @@ def tiny_root(tmp_path: Path):
     subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
+@pytest.mark.root
 async def test_disk_full_leaves_kernel_running(kernel, tiny_root: Path) -> None:
     kc = kernel.test_client
     kernel.provisioner.engine.checkpoint_root = str(tiny_root)
@@ -303,7 +311,7 @@ async def test_disk_full_leaves_kernel_running(kernel, tiny_root: Path) -> None:
         await kernel.provisioner.suspend()
     assert "space" in info.value.message.lower() or "write" in info.value.message.lower()
     assert kernel.provisioner.state == KernelState.running
-    assert [p.name for p in tiny_root.iterdir() if p.name != ".logs"] == []
+    assert [p.name for p in tiny_root.iterdir() if p.name not in BOOKKEEPING] == []
     reply, out = await run(kc, "print(z + int(big.sum()))")
     assert out.strip() == str(5_000_005)
 
@@ -320,7 +328,7 @@ async def test_kernel_exiting_mid_dump(kernel, checkpoint_root: Path, criu_hold)
     with pytest.raises(SuspendFailed):
         await task
     assert prov.state == KernelState.running
-    assert [p for p in checkpoint_root.iterdir() if p.name != ".logs"] == []
+    assert [p for p in checkpoint_root.iterdir() if p.name not in BOOKKEEPING] == []
     assert await prov.poll() is not None  # dead, reported as such: the restarter may act
 
 
@@ -378,6 +386,7 @@ async def test_corrupt_image_is_detected(kernel, checkpoint_root: Path, damage: 
     assert out.strip() == "99"
 
 
+@pytest.mark.root
 async def test_restore_when_old_pid_is_taken(kernel) -> None:
     prov = kernel.provisioner
     await run(kernel.test_client, "v = 'still here'")

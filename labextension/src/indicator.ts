@@ -38,6 +38,14 @@ export function indicatorView(
       : (progress?.bytes_total ?? 0);
   switch (kernel.state) {
     case 'suspended': {
+      if (kernel.queued?.action === 'resume') {
+        return {
+          text: 'Restoring… (queued)',
+          title: `Waiting for a free restore slot (#${kernel.queued.position} in line): other kernels are being restored`,
+          fraction: null,
+          state: 'resuming'
+        };
+      }
       const freed = model ? model.gpuMemoryFreed(kernel) : 0;
       const parts = [
         `Kernel suspended${kernel.tier ? ` (${kernel.tier})` : ''}`,

@@ -583,7 +583,7 @@ export class CedanaModel implements IDisposable {
       return;
     }
     const busy = Array.from(this._kernels.values()).some(
-      k => TRANSITIONAL.has(k.state) && !this._pending.has(k.id)
+      k => (TRANSITIONAL.has(k.state) || k.queued) && !this._pending.has(k.id)
     );
     if (!busy) {
       return;
@@ -703,6 +703,19 @@ export namespace CedanaModel {
     }
     if (event.action === 'failed' && event.reason) {
       next.reason = event.reason;
+    }
+    if (event.action === 'queued') {
+      // The event says what waits (in `reason`); a refresh tells where in line.
+      next.queued = {
+        action: event.reason === 'resume' ? 'resume' : 'suspend',
+        position: kernel.queued?.position ?? 1,
+        since: kernel.queued?.since ?? null
+      };
+    } else if (event.action !== 'progress' && event.action !== 'keep-awake') {
+      next.queued = null;
+    }
+    if (event.action === 'suspended' || event.action === 'resumed') {
+      next.backoff = null;
     }
     return next;
   }

@@ -8,7 +8,7 @@ import * as React from 'react';
 
 import { formatBytes, formatDuration, formatPercent } from './format';
 import { CedanaModel } from './model';
-import { IKernel } from './types';
+import { IBudget, IKernel } from './types';
 
 /** Keep-awake durations offered, in seconds. */
 export const KEEP_AWAKE_CHOICES: ReadonlyArray<{
@@ -28,11 +28,21 @@ export function allowedActions(
   pending: boolean
 ): { suspend: boolean; resume: boolean; keepAwake: boolean } {
   return {
-    suspend: !pending && kernel.state === 'running' && kernel.suspendable,
+    suspend:
+      !pending &&
+      kernel.state === 'running' &&
+      kernel.suspendable &&
+      !kernel.queued,
     resume:
       !pending && (kernel.state === 'suspended' || kernel.state === 'failed'),
     keepAwake: !pending && kernel.state === 'running'
   };
+}
+
+/** The note about images no kernel owns. */
+export function orphansText(budget: IBudget): string {
+  const n = budget.orphaned_images;
+  return `${n} checkpoint image${n === 1 ? '' : 's'} (${formatBytes(budget.orphaned_bytes)}) belong${n === 1 ? 's' : ''} to no kernel, left by a crash; \`jupyter cedana gc\` removes them.`;
 }
 
 /** Show a failed request's reason as a notification. */
@@ -42,12 +52,52 @@ export function notifyError(what: string, error: unknown): void {
   Notification.error(`${what}: ${message}`, { autoClose: 10000 });
 }
 
-/** The badge text of a kernel: its state and tier. */
+/** The badge text of a kernel: its state and tier, and what it waits for. */
 export function badgeText(kernel: IKernel): string {
+  let text: string = kernel.state;
   if (kernel.tier && kernel.state !== 'running') {
-    return `${kernel.state} · ${kernel.tier}`;
+    text = `${kernel.state} · ${kernel.tier}`;
   }
-  return kernel.state;
+  if (kernel.queued) {
+    text += ` · queued to ${kernel.queued.action}`;
+  }
+  return text;
+}
+
+/** Where a waiting suspend or resume stands, or null. */
+export function queueText(kernel: IKernel): string | null {
+  const queued = kernel.queued;
+  if (!queued) {
+    return null;
+  }
+  const place =
+    queued.position === 1 ? 'next in line' : `#${queued.position} in line`;
+  return `Waiting for a free ${queued.action} slot (${place}): other kernels are being ${queued.action === 'suspend' ? 'suspended' : 'resumed'}.`;
+}
+
+/** Why automatic suspend does not happen now, when it backs off; or null. */
+export function backoffText(kernel: IKernel): string | null {
+  const backoff = kernel.backoff;
+  if (!backoff || kernel.state !== 'running') {
+    return null;
+  }
+  return kernel.reason ?? `Automatic suspend failed: ${backoff.reason}`;
+}
+
+/** The Suspend button's tooltip. */
+export function suspendTitle(kernel: IKernel): string {
+  if (kernel.queued?.action === 'suspend') {
+    return 'A suspend of this kernel waits for a free slot';
+  }
+  if (kernel.state === 'running' && !kernel.suspendable) {
+    return kernel.reason ?? 'Cannot be suspended now';
+  }
+  if (kernel.backoff) {
+    return kernel.backoff.not_checkpointable
+      ? `Not checkpointable as it is (${kernel.backoff.reason}); Suspend tries anyway`
+      : `Automatic suspend failed (${kernel.backoff.reason}); Suspend tries now`;
+  }
+  return 'Checkpoint this kernel to disk and free its GPU';
 }
 
 function basename(path: string): string {
@@ -73,6 +123,8 @@ function KernelCard(props: IKernelCardProps): JSX.Element {
   const countdown = model.secondsUntilSuspend(kernel);
   const keepAwake = model.keepAwakeSecondsLeft(kernel);
   const progress = kernel.progress;
+  const waiting = queueText(kernel);
+  const backoff = backoffText(kernel);
 
   const run = (what: string, action: () => Promise<unknown>) => {
     action().catch(error => notifyError(what, error));
@@ -92,6 +144,7 @@ function KernelCard(props: IKernelCardProps): JSX.Element {
           className={`jp-cedana-badge jp-cedana-badge-${kernel.state}`}
           data-state={kernel.state}
           data-tier={kernel.tier ?? ''}
+          data-queued={kernel.queued?.action ?? ''}
           title={kernel.reason ?? undefined}
         >
           {badgeText(kernel)}
@@ -189,26 +242,38 @@ function KernelCard(props: IKernelCardProps): JSX.Element {
             </span>
           </div>
         )}
-      {kernel.reason && (
-        <div
-          className={`jp-cedana-reason${kernel.state === 'failed' ? ' jp-cedana-error' : ''}`}
-        >
-          {kernel.reason}
+      {waiting && (
+        <div className="jp-cedana-queued" data-action={kernel.queued?.action}>
+          {waiting}
         </div>
+      )}
+      {backoff ? (
+        <div
+          className={`jp-cedana-reason jp-cedana-backoff${kernel.backoff?.not_checkpointable ? ' jp-cedana-not-checkpointable' : ''}`}
+          title={kernel.backoff?.reason}
+        >
+          {backoff}
+        </div>
+      ) : (
+        kernel.reason && (
+          <div
+            className={`jp-cedana-reason${kernel.state === 'failed' ? ' jp-cedana-error' : ''}`}
+          >
+            {kernel.reason}
+          </div>
+        )
       )}
       <div className="jp-cedana-actions">
         <button
           className="jp-mod-styled jp-cedana-suspend"
           disabled={!allowed.suspend}
-          title={
-            kernel.state === 'running' && !kernel.suspendable
-              ? (kernel.reason ?? 'Cannot be suspended now')
-              : 'Checkpoint this kernel to disk and free its GPU'
-          }
+          title={suspendTitle(kernel)}
           onClick={() => run('Suspend failed', () => model.suspend(kernel.id))}
         >
           {pending && model.pendingAction(kernel.id) === 'suspend'
-            ? 'Suspending…'
+            ? kernel.queued
+              ? 'Queued…'
+              : 'Suspending…'
             : 'Suspend'}
         </button>
         <button
@@ -218,7 +283,9 @@ function KernelCard(props: IKernelCardProps): JSX.Element {
           onClick={() => run('Resume failed', () => model.resume(kernel.id))}
         >
           {pending && model.pendingAction(kernel.id) === 'resume'
-            ? 'Resuming…'
+            ? kernel.queued
+              ? 'Queued…'
+              : 'Resuming…'
             : 'Resume'}
         </button>
         <span className="jp-cedana-keep-awake-group">
@@ -360,6 +427,14 @@ export class CedanaPanel extends ReactWidget {
           <div className="jp-cedana-note">
             No GPU: {status.gpu.reason ?? 'none found'}. Kernels are still
             suspended to disk.
+          </div>
+        )}
+        {status?.budget && status.budget.orphaned_images > 0 && (
+          <div
+            className="jp-cedana-note jp-cedana-orphans"
+            title={status.budget.orphaned_kernel_ids.join('\n')}
+          >
+            {orphansText(status.budget)}
           </div>
         )}
         {model.error && (

@@ -26,6 +26,23 @@ export interface IProgress {
   bytes_total?: number | null;
 }
 
+/** A suspend or resume waiting for a free slot. */
+export interface IQueued {
+  action: 'suspend' | 'resume';
+  /** 1: next to start. */
+  position: number;
+  since: string | null;
+}
+
+/** Why automatic suspend waits after failed suspends. */
+export interface IBackoff {
+  failures: number;
+  reason: string;
+  /** The failure will not go away by itself (e.g. a socket to another process). */
+  not_checkpointable: boolean;
+  retry_at: string;
+}
+
 /** A kernel as `GET /api/cedana/kernels` describes it. */
 export interface IKernel {
   id: string;
@@ -45,6 +62,21 @@ export interface IKernel {
   suspendable: boolean;
   reason: string | null;
   progress: IProgress | null;
+  /** Waiting for a free slot; absent from servers that have no limits. */
+  queued?: IQueued | null;
+  /** Automatic suspend backs off; absent from servers that have no backoff. */
+  backoff?: IBackoff | null;
+}
+
+/** The checkpoint budget in `GET /api/cedana/status`. */
+export interface IBudget {
+  limit: number | null;
+  used: number;
+  reserved: number;
+  available: number | null;
+  orphaned_images: number;
+  orphaned_bytes: number;
+  orphaned_kernel_ids: string[];
 }
 
 /** `GET /api/cedana/status`. */
@@ -56,6 +88,8 @@ export interface IStatus {
   checkpoint_root: string;
   bytes_used: number;
   bytes_free: number;
+  budget?: IBudget;
+  queued?: { suspend: number; resume: number };
   gpu: {
     available: boolean;
     reason: string | null;
@@ -83,7 +117,9 @@ export type EventAction =
   | 'resumed'
   | 'failed'
   | 'progress'
-  | 'keep-awake';
+  | 'keep-awake'
+  | 'queued'
+  | 'dequeued';
 
 /** The data of a kernel-state event. */
 export interface IKernelStateEvent {

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -126,9 +127,7 @@ def _kernel_pids(kernel_id: str) -> list[int]:
     return pids
 
 
-def _suspend_from_sidebar(page: Any, server: LabServer, kernel_id: str) -> dict[str, Any]:
-    card = _card(page, kernel_id)
-    button = card.locator("button.jp-cedana-suspend")
+def _wait_suspend_enabled(page: Any, kernel_id: str) -> None:
     # The panel polls; the button is enabled once the kernel is known as running.
     page.wait_for_function(
         """id => {
@@ -139,6 +138,12 @@ def _suspend_from_sidebar(page: Any, server: LabServer, kernel_id: str) -> dict[
         arg=kernel_id,
         timeout=30_000,
     )
+
+
+def _suspend_from_sidebar(page: Any, server: LabServer, kernel_id: str) -> dict[str, Any]:
+    card = _card(page, kernel_id)
+    button = card.locator("button.jp-cedana-suspend")
+    _wait_suspend_enabled(page, kernel_id)
     button.click()
     card.locator('.jp-cedana-badge[data-state="suspended"]').wait_for(timeout=SUSPEND_TIMEOUT_MS)
     return _kernel(server, kernel_id)
@@ -325,3 +330,40 @@ def test_reload_leaves_a_suspended_kernel_suspended(page: Any, lab_server: LabSe
     _cell_output(page, 1).filter(has_text="keptkept").wait_for(timeout=SUSPEND_TIMEOUT_MS)
     kernel = _kernel(lab_server, kernel_id)
     assert kernel["state"] == "running" and kernel["last_resume_seconds"] is not None, kernel
+
+
+def test_a_kernel_that_cannot_be_checkpointed_says_why(
+    page: Any, lab_server: LabServer, tmp_path: Path
+) -> None:
+    """A kernel holding a socket to another process: the sidebar says why it is not
+    suspended, and its Suspend button still tries."""
+    path = tmp_path / "service.sock"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(path))
+    listener.listen(1)
+    connect = f"import socket; s = socket.socket(socket.AF_UNIX); s.connect({str(path)!r})"
+    try:
+        name = _write_notebook(lab_server, "service.ipynb", [connect])
+        kernel_id = _open_notebook(page, lab_server, name)
+        _run_cell(page, 0)
+        _cells(page).nth(0).locator(".jp-InputPrompt", has_text="[1]").wait_for(timeout=60_000)
+        _wait_execution_state(lab_server, kernel_id, "idle")
+        peer, _ = listener.accept()
+        _open_panel(page)
+        card = _card(page, kernel_id)
+        button = card.locator("button.jp-cedana-suspend")
+        _wait_suspend_enabled(page, kernel_id)
+        button.click()
+        note = card.locator(".jp-cedana-backoff.jp-cedana-not-checkpointable")
+        note.wait_for(timeout=SUSPEND_TIMEOUT_MS)
+        text = note.inner_text()
+        assert text.startswith("Not checkpointable"), text
+        assert "socket connected to a process outside the kernel" in text
+        assert card.locator(".jp-cedana-badge").get_attribute("data-state") == "running"
+        _wait_suspend_enabled(page, kernel_id)
+        assert "Suspend tries anyway" in (button.get_attribute("title") or "")
+        card.screenshot(path=str(ARTIFACTS / "panel-not-checkpointable.png"))
+        assert _kernel(lab_server, kernel_id)["backoff"]["not_checkpointable"] is True
+        peer.close()
+    finally:
+        listener.close()

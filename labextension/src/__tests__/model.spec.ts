@@ -332,6 +332,55 @@ describe('CedanaModel', () => {
       expect(model.get('k2')!.reason).toBe('CRIU restore failed: bad image');
     });
 
+    it('shows a queued suspend until it starts, and where it waits', async () => {
+      await model.refresh();
+      kernels[0] = {
+        ...kernels[0],
+        queued: { action: 'suspend', position: 2, since: null }
+      };
+      events.stream.emit({
+        schema_id: EVENT_SCHEMA_ID,
+        kernel_id: 'k1',
+        action: 'queued',
+        state: 'running',
+        reason: 'suspend'
+      });
+      // At once from the event, then the position from the server.
+      expect(model.get('k1')!.state).toBe('running');
+      expect(model.get('k1')!.queued!.action).toBe('suspend');
+      await sleep(50);
+      expect(model.get('k1')!.queued!.position).toBe(2);
+      kernels[0] = { ...kernels[0], state: 'suspending', queued: null };
+      events.stream.emit({
+        schema_id: EVENT_SCHEMA_ID,
+        kernel_id: 'k1',
+        action: 'suspending',
+        state: 'suspending'
+      });
+      expect(model.get('k1')!.queued).toBeNull();
+      expect(model.get('k1')!.state).toBe('suspending');
+    });
+
+    it('forgets a queued suspend the policy dropped', async () => {
+      await model.refresh();
+      events.stream.emit({
+        schema_id: EVENT_SCHEMA_ID,
+        kernel_id: 'k3',
+        action: 'queued',
+        state: 'running',
+        reason: 'suspend'
+      });
+      expect(model.get('k3')!.queued).not.toBeNull();
+      events.stream.emit({
+        schema_id: EVENT_SCHEMA_ID,
+        kernel_id: 'k3',
+        action: 'dequeued',
+        state: 'running'
+      });
+      expect(model.get('k3')!.queued).toBeNull();
+      expect(model.get('k3')!.state).toBe('running');
+    });
+
     it('fetches a kernel it did not know', async () => {
       await model.refresh();
       kernels.push(makeKernel({ id: 'k4' }));

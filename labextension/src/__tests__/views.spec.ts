@@ -1,6 +1,13 @@
 import { indicatorView } from '../indicator';
 import { CedanaModel } from '../model';
-import { allowedActions, badgeText } from '../panel';
+import {
+  allowedActions,
+  backoffText,
+  badgeText,
+  orphansText,
+  queueText,
+  suspendTitle
+} from '../panel';
 import { statusText } from '../statusbar';
 import { EVENT_SCHEMA_ID } from '../types';
 import { FakeServer, makeKernel, makeStatus } from './fakes';
@@ -70,6 +77,80 @@ describe('panel helpers', () => {
       resume: false,
       keepAwake: false
     });
+  });
+
+  it('shows a queued suspend or resume and where it waits', () => {
+    const queued = makeKernel({
+      queued: { action: 'suspend', position: 1, since: null }
+    });
+    expect(badgeText(queued)).toBe('running · queued to suspend');
+    expect(queueText(queued)).toBe(
+      'Waiting for a free suspend slot (next in line): other kernels are being suspended.'
+    );
+    expect(allowedActions(queued, false).suspend).toBe(false);
+    expect(allowedActions(queued, false).keepAwake).toBe(true);
+    expect(suspendTitle(queued)).toContain('waits for a free slot');
+    const resume = makeKernel({
+      state: 'suspended',
+      tier: 'disk',
+      queued: { action: 'resume', position: 3, since: null }
+    });
+    expect(badgeText(resume)).toBe('suspended · disk · queued to resume');
+    expect(queueText(resume)).toContain('#3 in line');
+    expect(queueText(makeKernel())).toBeNull();
+    const view = indicatorView(resume)!;
+    expect(view.text).toBe('Restoring… (queued)');
+    expect(view.title).toContain('#3 in line');
+  });
+
+  it('says why automatic suspend does not happen', () => {
+    const reason =
+      'Not checkpointable: it holds a socket connected to a process outside the kernel';
+    const stuck = makeKernel({
+      reason,
+      backoff: {
+        failures: 1,
+        reason: 'External socket is used',
+        not_checkpointable: true,
+        retry_at: '2030-01-01T01:00:00.000Z'
+      }
+    });
+    expect(backoffText(stuck)).toBe(reason);
+    // Manual suspend still tries, and says so.
+    expect(allowedActions(stuck, false).suspend).toBe(true);
+    expect(suspendTitle(stuck)).toBe(
+      'Not checkpointable as it is (External socket is used); Suspend tries anyway'
+    );
+    const failing = makeKernel({
+      reason: null,
+      backoff: {
+        failures: 2,
+        reason: 'disk full',
+        not_checkpointable: false,
+        retry_at: '2030-01-01T01:00:00.000Z'
+      }
+    });
+    expect(backoffText(failing)).toBe('Automatic suspend failed: disk full');
+    expect(suspendTitle(failing)).toContain('Suspend tries now');
+    expect(backoffText(makeKernel())).toBeNull();
+    expect(suspendTitle(makeKernel())).toBe(
+      'Checkpoint this kernel to disk and free its GPU'
+    );
+  });
+
+  it('reports images no kernel owns', () => {
+    const budget = {
+      limit: null,
+      used: 0,
+      reserved: 0,
+      available: null,
+      orphaned_images: 2,
+      orphaned_bytes: 3e9,
+      orphaned_kernel_ids: ['a', 'b']
+    };
+    expect(orphansText(budget)).toBe(
+      '2 checkpoint images (3.00 GB) belong to no kernel, left by a crash; `jupyter cedana gc` removes them.'
+    );
   });
 
   it('shows the tier in the badge', () => {

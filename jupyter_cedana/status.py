@@ -1,0 +1,43 @@
+"""`GET /api/cedana/status`: what this server can checkpoint, where, and how much room is
+left (docs/rest-api.yaml, schema Status)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .engine import CheckpointEngine
+from .limits import Budget, TransitionQueue
+
+
+def server_status(
+    engine: CheckpointEngine, gpu_monitor: Any, budget: Budget, queue: TransitionQueue
+) -> dict[str, Any]:
+    info = engine.probe()
+    usage = engine.store.usage()
+    gpu: dict[str, Any] = {
+        "available": False,
+        "reason": "GPU monitor not loaded",
+        "driver_version": None,
+        "devices": [],
+        "checkpoint": False,
+    }
+    if gpu_monitor is not None:
+        gpu["available"] = bool(gpu_monitor.available)
+        gpu["reason"] = gpu_monitor.reason
+        gpu["driver_version"] = gpu_monitor.driver_version
+        gpu["devices"] = gpu_monitor.devices() if gpu_monitor.available else []
+    gpu["checkpoint"], cuda_reason = engine.cuda_status()
+    if gpu["available"] and not gpu["checkpoint"]:
+        gpu["reason"] = f"GPU memory cannot be checkpointed: {cuda_reason}"
+    return {
+        "available": info.available,
+        "reason": info.reason,
+        "criu_version": info.criu_version,
+        "root": info.pidns,
+        "checkpoint_root": str(engine.store.root),
+        "bytes_used": usage.bytes_used,
+        "bytes_free": usage.bytes_free,
+        "budget": budget.snapshot(),
+        "queued": queue.counts(),
+        "gpu": gpu,
+    }

@@ -1,0 +1,236 @@
+"""What `jupyter cedana gc` may delete under a checkpoint root: only what it can prove
+jupyter-cedana wrote, whatever directory it is pointed at.
+
+Proof is, for an image, a directory named after a kernel id holding a manifest of our
+format for that id; for a partial dump or deletion, the store's own temporary names
+(`.<id>.tmp-<pid>-<n>` whose writer is gone, `.<id>.del-<n>`); for kernel logs, pid files
+and CRIU work directories, the store's names inside a root that carries the store's
+marker file. Everything must be a real directory or file (never a symbolic link), owned by
+the user running gc. Anything else is left alone and reported.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import stat
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .checkpoint import _ID_RE, MANIFEST, ROOT_MARKER, CheckpointStore
+from .errors import CheckpointCorrupt, NotFound
+from .parkrecords import RECORDS, parked_kernel_ids
+
+#: Logs, pid files and work directories younger than this are left alone: they may belong
+#: to a kernel that is starting and not yet listed by its server.
+GC_MIN_AGE = 600.0
+
+_TMP_RE = re.compile(r"^\.(?P<kid>[A-Za-z0-9][A-Za-z0-9_-]*)\.tmp-(?P<pid>\d+)-\d+$")
+_DEL_RE = re.compile(r"^\.(?P<kid>[A-Za-z0-9][A-Za-z0-9_-]*)\.del-\d+$")
+_PIDFILE_RE = re.compile(r"^\.(?P<kid>[A-Za-z0-9][A-Za-z0-9_-]*)\.pid$")
+_LOG_RE = re.compile(r"^(?P<kid>[A-Za-z0-9][A-Za-z0-9_-]*)\.log$")
+
+
+@dataclass
+class Leftover:
+    kind: str  # image, temporary, log, pidfile, work
+    path: Path
+    kernel_id: str | None
+    bytes: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind,
+            "path": str(self.path),
+            "kernel_id": self.kernel_id,
+            "bytes": self.bytes,
+        }
+
+
+@dataclass
+class Foreign:
+    """An entry gc leaves alone, and why."""
+
+    path: Path
+    why: str
+
+    def to_json(self) -> dict[str, str]:
+        return {"path": str(self.path), "why": self.why}
+
+
+@dataclass
+class Plan:
+    remove: list[Leftover]
+    foreign: list[Foreign]
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _lstat(path: Path) -> os.stat_result | None:
+    try:
+        return os.lstat(path)
+    except OSError:
+        return None
+
+
+def _mine(st: os.stat_result | None, kind: int) -> bool:
+    """A real (not symlinked) entry of the wanted kind, owned by whoever runs gc."""
+    return st is not None and stat.S_IFMT(st.st_mode) == kind and st.st_uid == os.geteuid()
+
+
+def _tree_bytes(path: Path) -> int:
+    total = 0
+    for dirpath, _dirs, files in os.walk(path):
+        for name in files:
+            with contextlib.suppress(OSError):
+                total += os.lstat(os.path.join(dirpath, name)).st_size
+    return total
+
+
+def is_image(store: CheckpointStore, path: Path) -> bool:
+    """A directory of ours holding a manifest of our format for the id it is named after."""
+    if not _ID_RE.match(path.name) or not _mine(_lstat(path), stat.S_IFDIR):
+        return False
+    if not _mine(_lstat(path / MANIFEST), stat.S_IFREG):
+        return False
+    try:
+        store.read_manifest(path.name)
+    except (NotFound, CheckpointCorrupt):
+        return False
+    return True
+
+
+def has_marker(root: Path) -> bool:
+    """Whether `root` carries the marker a checkpoint store writes into its root."""
+    marker = root / ROOT_MARKER
+    if not _mine(_lstat(marker), stat.S_IFREG):
+        return False
+    try:
+        return json.loads(marker.read_text()).get("created_by") == "jupyter-cedana"
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def plan(store: CheckpointStore, keep: set[str], now: float | None = None) -> Plan:
+    """What gc removes under the store's root: images of kernels not in `keep` and not
+    parked, partial dumps whose writer (the server process named in the name) is gone,
+    deletions left half done; and, under a marked root, logs, pid files and CRIU work
+    directories of such kernels once older than GC_MIN_AGE."""
+    now = time.time() if now is None else now
+    root = store.root
+    keep = keep | parked_kernel_ids(store)
+    remove: list[Leftover] = []
+    foreign: list[Foreign] = []
+    if not root.is_dir():
+        return Plan(remove, foreign)
+    marked = has_marker(root)
+
+    def old(st: os.stat_result) -> bool:
+        return now - st.st_mtime > GC_MIN_AGE
+
+    def leave(path: Path, why: str) -> None:
+        foreign.append(Foreign(path, why))
+
+    images: set[str] = set()
+    for path in sorted(root.iterdir()):
+        name = path.name
+        st = _lstat(path)
+        if st is None:
+            continue
+        if stat.S_ISLNK(st.st_mode):
+            leave(path, "a symbolic link")
+        elif name in (".logs", ".work", ROOT_MARKER, RECORDS):
+            continue  # looked at below; park records are parking's own business
+        elif _ID_RE.match(name):
+            if is_image(store, path):
+                if name not in keep:
+                    images.add(name)
+                    remove.append(Leftover("image", path, name, _tree_bytes(path)))
+            else:
+                leave(path, "no manifest of jupyter-cedana's for this kernel id")
+        elif m := _TMP_RE.match(name):
+            if not _mine(st, stat.S_IFDIR):
+                leave(path, "not a directory of this user")
+            elif not _pid_alive(int(m.group("pid"))) and m.group("kid") not in keep:
+                remove.append(Leftover("temporary", path, m.group("kid"), _tree_bytes(path)))
+        elif m := _DEL_RE.match(name):
+            if _mine(st, stat.S_IFDIR):
+                remove.append(Leftover("temporary", path, m.group("kid"), _tree_bytes(path)))
+            else:
+                leave(path, "not a directory of this user")
+        elif m := _PIDFILE_RE.match(name):
+            if not marked or not _mine(st, stat.S_IFREG):
+                leave(path, "not a file of this user under a marked checkpoint root")
+            elif m.group("kid") not in keep and old(st):
+                remove.append(Leftover("pidfile", path, m.group("kid"), st.st_size))
+        else:
+            leave(path, "not a name jupyter-cedana uses")
+
+    for sub, kind, pattern, wanted in (
+        (".logs", "log", _LOG_RE, stat.S_IFREG),
+        (".work", "work", _ID_RE, stat.S_IFDIR),
+    ):
+        folder = root / sub
+        st = _lstat(folder)
+        if st is None:
+            continue
+        if not marked or not _mine(st, stat.S_IFDIR):
+            leave(folder, "not a directory of this user under a marked checkpoint root")
+            continue
+        for path in sorted(folder.iterdir()):
+            m = pattern.match(path.name)
+            pst = _lstat(path)
+            if not m or pst is None or not _mine(pst, wanted):
+                leave(path, "not a name jupyter-cedana uses")
+                continue
+            kid = m.group("kid") if "kid" in pattern.groupindex else path.name
+            # The log and work files of an image being removed go with it.
+            if kid not in keep and (kid in images or old(pst)):
+                size = pst.st_size if wanted == stat.S_IFREG else _tree_bytes(path)
+                remove.append(Leftover(kind, path, kid, size))
+    return Plan(remove, foreign)
+
+
+def apply(leftovers: list[Leftover]) -> tuple[list[Leftover], list[str]]:
+    """Remove what `plan` found, checking each entry again just before (it may have been
+    replaced meanwhile); returns what was removed and the errors."""
+    removed: list[Leftover] = []
+    errors: list[str] = []
+    for item in leftovers:
+        st = _lstat(item.path)
+        if st is None:
+            continue
+        is_dir = item.kind in ("image", "temporary", "work")
+        if not _mine(st, stat.S_IFDIR if is_dir else stat.S_IFREG):
+            errors.append(f"{item.path} changed since it was checked; left alone")
+            continue
+        try:
+            if is_dir:
+                # Out of the way first: a half-deleted image must never look whole.
+                doomed = item.path
+                if item.kind == "image":
+                    doomed = item.path.with_name(f".{item.path.name}.del-{time.monotonic_ns()}")
+                    os.rename(item.path, doomed)
+                shutil.rmtree(doomed)
+            else:
+                item.path.unlink()
+        except FileNotFoundError:
+            continue
+        except OSError as e:
+            errors.append(f"could not remove {item.path}: {e}")
+            continue
+        removed.append(item)
+    return removed, errors

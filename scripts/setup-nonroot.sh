@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# Test set-up for non-root servers (called by scripts/setup.sh --test), idempotently:
+#   - users cedana-test and cedana-test2 (the second user of the isolation tests), both
+#     in group `cedana`, which alone may run the capability-carrying criu
+#     (scripts/grant-criu-caps.sh);
+#   - a virtualenv those users can read, .venv-nonroot, from the system's python3 (the
+#     root virtualenv's interpreter may live under /root, which they cannot enter), with
+#     the package installed editable from this checkout.
+# Prints the virtualenv's path on its last line.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+say() { printf '[setup-nonroot] %s\n' "$*" >&2; }
+fail() { printf '[setup-nonroot] FAILED: %s\n' "$*" >&2; exit 1; }
+
+[ "$(id -u)" = 0 ] || fail "needs root (useradd, setcap)"
+TEST_USERS=(cedana-test cedana-test2)
+for u in "${TEST_USERS[@]}"; do
+  id "$u" >/dev/null 2>&1 || { say "creating user $u"; useradd --create-home --shell /bin/bash "$u"; }
+done
+args=()
+for u in "${TEST_USERS[@]}"; do args+=(--add-user "$u"); done
+bash scripts/grant-criu-caps.sh "${args[@]}" >&2
+
+# The test users must read this checkout (tests and the editable package live here).
+# A checkout under a private directory (e.g. /root) gets a traverse-only ACL entry for
+# group cedana on each directory above it that they cannot enter: no listing, no reading
+# of anything there that is not world-readable anyway.
+if ! runuser -u cedana-test -- test -r "$ROOT/pyproject.toml"; then
+  command -v setfacl >/dev/null || fail "$ROOT is not readable by cedana-test and setfacl is missing (apt-get install acl)"
+  d=$ROOT
+  while [ "$d" != / ]; do
+    if ! runuser -u cedana-test -- test -x "$d"; then
+      say "granting group cedana traverse (x) on $d"
+      setfacl -m g:cedana:x "$d"
+    fi
+    d=$(dirname "$d")
+  done
+  runuser -u cedana-test -- test -r "$ROOT/pyproject.toml" \
+    || fail "user cedana-test cannot read $ROOT (is the checkout world-readable?)"
+fi
+
+SYSPY=${NONROOT_PYTHON:-/usr/bin/python3}
+[ -x "$SYSPY" ] || fail "no $SYSPY (apt-get install python3 python3-venv)"
+VENV=$ROOT/.venv-nonroot
+if [ ! -x "$VENV/bin/python" ]; then
+  say "creating $VENV with $($SYSPY --version)"
+  "$SYSPY" -m venv "$VENV" || fail "python3 -m venv (apt-get install python3-venv)"
+fi
+stamp=$VENV/.cedana-deps-$(cat pyproject.toml | sha256sum | cut -c1-16)
+if [ ! -e "$stamp" ]; then
+  say "installing jupyter-cedana[test] into $VENV"
+  "$VENV/bin/python" -m pip install -q -U pip >&2 || fail "pip upgrade"
+  "$VENV/bin/python" -m pip install -q "jupyterlab>=4,<5" "hatchling>=1.21" "hatch-jupyter-builder>=0.5" editables >&2 \
+    || fail "pip install of the build tools"
+  # (The editable build runs jlpm, which comes with jupyterlab.)
+  # `jupyter labextension develop` (scripts/setup.sh) leaves a copy of install.json in the
+  # built extension, which the wheel's shared-data would then add twice: set it aside.
+  stray=jupyter_cedana/labextension/install.json
+  [ -e "$stray" ] && mv "$stray" "$stray.aside"
+  rc=0
+  PATH=$VENV/bin:$PATH "$VENV/bin/python" -m pip install -q --no-build-isolation -e ".[test]" >&2 || rc=$?
+  [ -e "$stray.aside" ] && mv "$stray.aside" "$stray"
+  [ "$rc" = 0 ] || fail "pip install -e .[test]"
+  touch "$stamp"
+fi
+chmod -R a+rX "$VENV"
+runuser -u cedana-test -- "$VENV/bin/python" -c "import jupyter_cedana, jupyterhub" \
+  || fail "cedana-test cannot import jupyter_cedana from $VENV"
+echo "$VENV"

@@ -1,0 +1,200 @@
+"""`jupyter cedana gc`'s plan: it removes only what it can prove jupyter-cedana wrote."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import uuid
+from pathlib import Path
+
+from jupyter_cedana import store_gc
+from jupyter_cedana.checkpoint import ROOT_MARKER, CheckpointStore
+
+
+def image(store: CheckpointStore, kid: str, payload: bytes = b"p" * 4096) -> Path:
+    tmp = store.begin(kid)
+    (tmp / "pages-1.img").write_bytes(payload)
+    store.commit(kid, tmp, {"timings": {}})
+    return store.path(kid)
+
+
+def tree(root: Path) -> dict[str, str]:
+    """Every entry under root (links not followed) with what it is and holds."""
+    found = {}
+    for dirpath, dirs, files in os.walk(root):
+        for name in dirs + files:
+            path = Path(dirpath) / name
+            rel = str(path.relative_to(root))
+            if path.is_symlink():
+                found[rel] = "link->" + os.readlink(path)
+            elif path.is_dir():
+                found[rel] = "dir"
+            else:
+                found[rel] = "file:" + path.read_bytes().hex()
+    return found
+
+
+def age(path: Path, seconds: float) -> None:
+    past = time.time() - seconds
+    os.utime(path, (past, past), follow_symlinks=False)
+
+
+def test_only_provably_ours_is_removed(tmp_path: Path) -> None:
+    store = CheckpointStore(tmp_path / "root")
+    store.ensure_root()
+    root = store.root
+    kept, orphan, gone = (str(uuid.uuid4()) for _ in range(3))
+    image(store, kept)
+    image(store, orphan)
+    dead_tmp = root / f".{gone}.tmp-999999999-1"
+    dead_tmp.mkdir()
+    live_tmp = store.begin(str(uuid.uuid4()))  # named after this live process
+    half_deleted = root / f".{gone}.del-5"
+    half_deleted.mkdir()
+    (half_deleted / "pages-1.img").write_bytes(b"x")
+    for kid in (kept, orphan, gone):
+        (store.log_path(kid)).write_text("log")
+        age(store.log_path(kid), store_gc.GC_MIN_AGE + 60)
+    work = store.work_dir(gone)
+    age(work, store_gc.GC_MIN_AGE + 60)
+
+    # Foreign things, some named like ours.
+    elsewhere = tmp_path / "elsewhere"
+    outside = CheckpointStore(elsewhere)
+    target = image(outside, str(uuid.uuid4()))
+    (root / target.name).symlink_to(target)  # a link to a valid image elsewhere
+    no_manifest = root / str(uuid.uuid4())
+    no_manifest.mkdir()
+    (no_manifest / "data.csv").write_text("1,2,3")
+    other_format = root / str(uuid.uuid4())
+    other_format.mkdir()
+    (other_format / "manifest.json").write_text(json.dumps({"format": 99}))
+    wrong_id = root / str(uuid.uuid4())
+    wrong_id.mkdir()
+    (wrong_id / "manifest.json").write_text(json.dumps({"format": 1, "kernel_id": "other"}))
+    file_like_id = root / str(uuid.uuid4())
+    file_like_id.write_text("not a directory")
+    (root / "notes.txt").write_text("mine")
+    tmp_file = root / f".{gone}.tmp-999999999-2"
+    tmp_file.write_text("a file, not a dump directory")
+
+    before = tree(root)
+    outside_before = tree(elsewhere)
+    plan = store_gc.plan(store, keep={kept})
+    planned = {(i.kind, i.path.name) for i in plan.remove}
+    assert planned == {
+        ("image", orphan),
+        ("temporary", dead_tmp.name),
+        ("temporary", half_deleted.name),
+        ("log", f"{orphan}.log"),
+        ("log", f"{gone}.log"),
+        ("work", gone),
+    }
+    left = {f.path.name for f in plan.foreign}
+    assert {
+        target.name,
+        no_manifest.name,
+        other_format.name,
+        wrong_id.name,
+        file_like_id.name,
+        "notes.txt",
+        tmp_file.name,
+    } <= left
+
+    removed, errors = store_gc.apply(plan.remove)
+    assert errors == []
+    assert {(i.kind, i.path.name) for i in removed} == planned
+    after = tree(root)
+    gone_paths = {k for k in before if k not in after}
+    for rel in gone_paths:
+        top = rel.split("/")[0]
+        assert top in (orphan, dead_tmp.name, half_deleted.name, ".logs", ".work"), rel
+    assert {k: v for k, v in before.items() if k in after} == after  # nothing else changed
+    assert store.exists(kept) and live_tmp.is_dir()
+    assert tree(elsewhere) == outside_before  # the link's target is untouched
+    assert (root / target.name).is_symlink()
+
+
+def test_a_users_directory_is_left_alone(tmp_path: Path) -> None:
+    """gc pointed at the wrong root (here: someone's home) removes nothing: without the
+    store's marker not even files named like its logs and pid files are touched."""
+    home = tmp_path / "home"
+    (home / "project").mkdir(parents=True)
+    (home / "project" / "train.py").write_text("print('hi')")
+    (home / ".bashrc").write_text("export A=1")
+    kid = str(uuid.uuid4())
+    (home / ".logs").mkdir()
+    (home / ".logs" / f"{kid}.log").write_text("my own log")
+    (home / f".{kid}.pid").write_text("123")
+    (home / ".work" / kid).mkdir(parents=True)
+    (home / str(uuid.uuid4())).mkdir()
+    (home / str(uuid.uuid4())).write_text("a file named like a kernel id")
+    (home / "link").symlink_to(tmp_path)
+    (home / str(uuid.uuid4())).symlink_to(home / "project")
+    for path in home.rglob("*"):
+        age(path, store_gc.GC_MIN_AGE + 60)
+    before = tree(home)
+
+    store = CheckpointStore(home)
+    plan = store_gc.plan(store, keep=set())
+    assert plan.remove == []
+    assert len(plan.foreign) >= 8
+    assert store_gc.apply(plan.remove) == ([], [])
+    assert tree(home) == before
+    assert not (home / ROOT_MARKER).exists()  # planning writes nothing either
+
+
+def test_fresh_leftovers_may_belong_to_a_starting_kernel(tmp_path: Path) -> None:
+    store = CheckpointStore(tmp_path)
+    store.ensure_root()
+    live, starting = str(uuid.uuid4()), str(uuid.uuid4())
+    for kid in (live, starting):
+        store.log_path(kid).write_text("log")
+        (tmp_path / f".{kid}.pid").write_text("1")
+    image(store, orphan := str(uuid.uuid4()))
+    store.log_path(orphan).write_text("the log of an image goes with it, however young")
+
+    now = time.time()
+    fresh = {(i.kind, i.kernel_id) for i in store_gc.plan(store, {live}, now=now).remove}
+    assert fresh == {("image", orphan), ("log", orphan)}
+    later = store_gc.plan(store, {live}, now=now + store_gc.GC_MIN_AGE + 1).remove
+    assert {(i.kind, i.kernel_id) for i in later} == {
+        ("image", orphan),
+        ("log", orphan),
+        ("log", starting),
+        ("pidfile", starting),
+    }
+
+
+def test_an_entry_replaced_after_planning_is_left_alone(tmp_path: Path) -> None:
+    store = CheckpointStore(tmp_path / "root")
+    store.ensure_root()
+    orphan = image(store, str(uuid.uuid4()))
+    plan = store_gc.plan(store, keep=set())
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "precious").write_text("keep me")
+    for p in sorted(orphan.rglob("*"), reverse=True):
+        p.unlink()
+    orphan.rmdir()
+    orphan.symlink_to(victim)
+    removed, errors = store_gc.apply(plan.remove)
+    assert removed == [] and len(errors) == 1 and "changed" in errors[0]
+    assert (victim / "precious").read_text() == "keep me"
+
+
+def test_parked_kernels_keep_their_images(tmp_path: Path) -> None:
+    """A parked kernel (a record under .parked/, written when its server stopped) owns its
+    image although no running server lists it; the records are parking's own."""
+    store = CheckpointStore(tmp_path)
+    store.ensure_root()
+    parked, orphan = str(uuid.uuid4()), str(uuid.uuid4())
+    image(store, parked)
+    image(store, orphan)
+    records = tmp_path / ".parked"
+    records.mkdir(mode=0o700)
+    (records / f"{parked}.json").write_text("{}")
+    plan = store_gc.plan(store, keep=set())
+    assert {(i.kind, i.kernel_id) for i in plan.remove} == {("image", orphan)}
+    assert ".parked" not in {f.path.name for f in plan.foreign}
