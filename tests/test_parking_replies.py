@@ -22,7 +22,7 @@ from jupyter_cedana.replies import Message, ReplyCache
 from . import test_gate, test_parking
 from .test_cli import Server, start_server
 from .test_gate import V1, Client, _sans_tip, gate, stopped, until
-from .test_parking import records, stop_with
+from .test_parking import records, server_with_kernel, stop_with
 
 # Fixtures (pytest finds them by module attribute): servers in subprocesses, and an
 # in-process server whose extension a test starts when it needs one.
@@ -73,17 +73,11 @@ async def reconnect(lab: Client) -> tuple[dict[str, Any], dict[str, Any], list[s
 def test_adopted_kernel_answers_a_reconnect_without_waking(
     tmp_path: Path, servers: list[Server]
 ) -> None:
-    root = tmp_path / "checkpoints"
-    a = start_server(tmp_path / "a", checkpoint_root=root)
-    servers.append(a)
-    kid = a.start_kernel()
+    a, root, kid = server_with_kernel(tmp_path, servers, WIDGET)
 
     async def set_up(lab: Client) -> tuple[dict[str, Any], str]:
         info = (await lab.answer(lab.send("kernel_info_request", {})))["reply"]
-        got = await lab.answer(lab.execute(WIDGET))
-        assert got["reply"]["content"]["status"] == "ok", got
-        opened = [m for m in got["msgs"] if m["msg_type"] == "comm_open"]
-        return info, opened[0]["content"]["comm_id"]
+        return info, (await lab.run("print(widget.comm_id)")).strip()
 
     from_kernel, widget = lab_session(a, kid, set_up)
     assert "parked 1 of 1 kernel(s)" in stop_with(a, signal.SIGTERM)
