@@ -94,6 +94,7 @@ class Adopter:
         retention: float,
         verify_bytes: int,
         log: Any,
+        replies: Any = None,
     ):
         self.mkm = kernel_manager
         self.sessions = session_manager
@@ -101,6 +102,7 @@ class Adopter:
         self.retention = retention
         self.verify_bytes = verify_bytes
         self._verify: set[str] = set()
+        self.replies = replies  # the gate's ReplyCache, seeded from each record
         self.log = log
 
     async def adopt_all(self) -> AdoptionReport:
@@ -252,6 +254,12 @@ class Adopter:
             kernel.last_activity = last
         state = record.get("execution_state")
         kernel.execution_state = state if state in ("idle", "busy") else "idle"
+        # Clients reconnecting to it are answered from what it said before its server stopped.
+        saved = record.get("replies")
+        if self.replies is not None and saved is not None and not self.replies.seed(kid, saved):
+            self.log.warning(
+                "jupyter-cedana: parked kernel %s: its saved replies are unusable", kid
+            )
         restored = await self._restore_sessions(kid, sessions)
         self.log.info(
             "jupyter-cedana: adopted parked kernel %s (%s, %.1f MB image, parked by pid %s): "

@@ -121,6 +121,8 @@ class CedanaApp(ExtensionApp):
         if event_logger is not None:
             event_logger.add_listener(schema_id=KERNEL_ACTIONS, listener=gate.on_kernel_action)
         self.settings["cedana_gate"] = gate
+        if self.parking is not None:
+            self.parking.replies = gate.replies
 
     def _guard_culler(self) -> None:
         """jupyter_server's culler must not shut down a suspended kernel before the

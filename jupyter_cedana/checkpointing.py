@@ -115,6 +115,8 @@ class Checkpointing(GpuSteps):
             )
         if self.state == KernelState.running and (not self.pid or await self.poll() is not None):
             raise Conflict(f"Kernel {self.kernel_id} is not running")
+        if self.state == KernelState.running:
+            await self._before_suspend()  # e.g. the reply cache learns what the kernel is
         if tier == "offload":
             return await self._offload()
         previous = self.state

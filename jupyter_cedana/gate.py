@@ -117,6 +117,7 @@ class MessageGate:
             if prov is not None and hasattr(prov, "add_listener") and prov not in self._watched:
                 self._watched.add(prov)
                 prov.add_listener(self._on_state)
+                prov.add_suspend_hook(self.replies.before_suspend)
 
     def _on_state(self, prov: Any, what: str) -> None:
         if what != "state":
@@ -164,7 +165,7 @@ class MessageGate:
         if not kid or data.get("status") != "success":
             return
         if data.get("action") in ("start", "restart", "shutdown"):
-            self.replies.forget(kid)
+            self.replies.forget(kid, data["action"])
             self._delivered.pop(kid, None)
         if data.get("action") == "shutdown":
             self._held.pop(kid, None)

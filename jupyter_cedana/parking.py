@@ -98,6 +98,13 @@ class KernelParking(LoggingConfigurable):
     ).tag(config=True)
 
     manager = AnyTrait(help="The SuspendManager of the server.")
+    replies = AnyTrait(
+        None,
+        allow_none=True,
+        help="The message gate's ReplyCache (None without transparent resume): what it "
+        "knows of a kernel is parked with it, so that an adopted kernel answers its "
+        "clients' reconnects without being resumed.",
+    )
 
     def __init__(self, **kwargs: Any):
         super().__init__(**kwargs)
@@ -181,6 +188,7 @@ class KernelParking(LoggingConfigurable):
                 store=store,
                 retention=self.manager.policy.retention,
                 verify_bytes=self.adopt_verify_bytes,
+                replies=self.replies,
                 log=self.log,
             )
             report = await adopter.adopt_all()
@@ -355,6 +363,8 @@ class KernelParking(LoggingConfigurable):
             "execution_state": getattr(km, "execution_state", None),
             "cwd": str(prov.cwd) if getattr(prov, "cwd", None) else None,
             "sessions": sessions,
+            # What the kernel answered (kernel_info, comms): not secret, kept for its clients.
+            "replies": self.replies.saved(kid) if self.replies is not None else None,
             "parked_at": time.time(),
             "server_pid": os.getpid(),
             "host": socket.gethostname(),

@@ -12,6 +12,11 @@ work, so none of it may wake the kernel. Each client message gets one dispositio
 - HOLD: kept in order and delivered when the kernel next runs, whoever resumes it.
 - WAKE: a person did something (ran a cell, typed, moved a widget): resume and deliver.
 
+What the cache knows of a kernel outlives its server: parking saves it in the kernel's
+park record (`saved`), adoption puts it back (`seed`); and a kernel the cache has not
+heard from is asked before it is frozen (`before_suspend`), so that a suspended kernel
+always has an answer.
+
 The table is in README.md ("Transparent resume").
 """
 
@@ -20,11 +25,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import json
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from jupyter_client.jsonutil import json_default
 from jupyter_client.session import msg_header
 
 ANSWER, HOLD, WAKE = "answer", "hold", "wake"
@@ -48,6 +55,11 @@ PASSIVE = frozenset(
         "comm_close",
     }
 )
+# How long a kernel about to be frozen may take to say what it is; it answers on its
+# control channel, even while it runs a cell.
+ASK_BEFORE_SUSPEND_SECONDS = 10.0
+# The parts of the kernel's reply header that the server's answers in its name carry.
+_HEADER_KEYS = ("session", "username", "version")
 
 
 @dataclass
@@ -105,6 +117,7 @@ class _Kernel:
     info: dict[str, Any] | None = None  # the kernel's last kernel_info_reply
     comms: dict[str, str] = field(default_factory=dict)  # comm_id -> target_name
     refused: set[str] = field(default_factory=set)  # control comms answered with a close
+    adopted: bool = False  # seeded from a park record
 
 
 class ReplyCache:
@@ -116,8 +129,13 @@ class ReplyCache:
     def _get(self, kernel_id: str) -> _Kernel:
         return self._kernels.setdefault(kernel_id, _Kernel())
 
-    def forget(self, kernel_id: str) -> None:
-        """The kernel was restarted or shut down: nothing it said holds any more."""
+    def forget(self, kernel_id: str, action: str = "shutdown") -> None:
+        """The kernel was (re)started or shut down: nothing it said holds any more, except
+        for the start that adopted it (what its record said holds; that event may come
+        before or after the seed)."""
+        k = self._kernels.get(kernel_id)
+        if action == "start" and k is not None and k.adopted:
+            return
         self._kernels.pop(kernel_id, None)
 
     def knows(self, kernel_id: str) -> bool:
@@ -184,6 +202,59 @@ class ReplyCache:
         finally:
             if not stream.closed():
                 stream.close()
+
+    async def before_suspend(self, prov: Any) -> None:
+        """A suspend hook (the kernel still runs): ask a kernel the cache has not heard from
+        yet, so that it has an answer for its clients while it is suspended."""
+        kid = str(prov.kernel_id)
+        if self.knows(kid):
+            return
+        with contextlib.suppress(asyncio.TimeoutError):
+            await self.ask(kid, prov.parent, ASK_BEFORE_SUSPEND_SECONDS)
+        if not self.knows(kid):
+            prov.log.warning(
+                "Kernel %s did not answer kernel_info within %.1f s before its suspend: "
+                "the first client to reconnect will resume it",
+                kid,
+                ASK_BEFORE_SUSPEND_SECONDS,
+            )
+
+    # -- what outlives the server ---------------------------------------------------------
+
+    def saved(self, kernel_id: str) -> dict[str, Any] | None:
+        """What the cache knows of a kernel, as JSON for its park record (None: nothing)."""
+        k = self._kernels.get(kernel_id)
+        if k is None or k.info is None:
+            return None
+        header = {key: k.info["header"][key] for key in _HEADER_KEYS if key in k.info["header"]}
+        info = {"header": header, "metadata": k.info["metadata"], "content": k.info["content"]}
+        saved = {"kernel_info": info, "comms": dict(k.comms)}
+        return dict(json.loads(json.dumps(saved, default=json_default)))
+
+    def seed(self, kernel_id: str, saved: Any) -> bool:
+        """Know an adopted kernel from what `saved` returned for it before its server
+        stopped; False (nothing changed) when `saved` is not that."""
+        try:
+            info, comms = saved["kernel_info"], saved["comms"]
+            header = {
+                key: str(info["header"][key]) for key in _HEADER_KEYS if key in info["header"]
+            }
+            usable = isinstance(info["content"], dict) and isinstance(comms, dict)
+            if not (usable and header.get("session")):
+                return False
+            seeded = _Kernel(
+                info={
+                    "header": header,
+                    "metadata": dict(info.get("metadata") or {}),
+                    "content": copy.deepcopy(info["content"]),
+                },
+                comms={str(cid): str(target) for cid, target in comms.items()},
+                adopted=True,
+            )
+        except (KeyError, TypeError, ValueError, AttributeError):
+            return False
+        self._kernels[kernel_id] = seeded
+        return True
 
     # -- answers --------------------------------------------------------------------------
 

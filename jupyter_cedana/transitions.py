@@ -58,6 +58,7 @@ class Progress:
 
 
 Listener = Callable[[Any, str], None]
+SuspendHook = Callable[[Any], Awaitable[None]]
 
 
 class TransitionMachine:
@@ -73,12 +74,24 @@ class TransitionMachine:
         self._lock = asyncio.Lock()
         self._inflight: tuple[str, asyncio.Future[Any]] | None = None
         self._listeners: list[Listener] = []
+        self._suspend_hooks: list[SuspendHook] = []
         self._aborted: str | None = None
         self._owner: asyncio.Task[Any] | None = None
 
     def add_listener(self, listener: Listener) -> None:
         """Called with (provisioner, what) on every state or progress change."""
         self._listeners.append(listener)
+
+    def add_suspend_hook(self, hook: SuspendHook) -> None:
+        """Awaited with (provisioner) before a running kernel is frozen, while it runs."""
+        self._suspend_hooks.append(hook)
+
+    async def _before_suspend(self) -> None:
+        for hook in list(self._suspend_hooks):
+            try:
+                await hook(self)
+            except Exception:  # a broken hook must not keep a kernel from being suspended
+                self.log.exception("cedana suspend hook failed")
 
     def _notify(self, what: str) -> None:
         for listener in list(self._listeners):
