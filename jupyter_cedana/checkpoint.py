@@ -298,8 +298,10 @@ class CheckpointStore:
         )
 
     def work_dir(self, kernel_id: str) -> Path:
-        """CRIU's logs and statistics of a restore: kept out of the image directory, which
-        is deleted while the restored kernel (and CRIU) still run."""
+        """The working directory of the kernel's init (which CRIU restores with it, so it
+        lives as long as the kernel, parked or not), and CRIU's logs and statistics of a
+        restore: kept out of the image directory, which is deleted while the restored
+        kernel (and CRIU) still run."""
         work = self.ensure_root() / ".work" / validate_kernel_id(kernel_id)
         work.mkdir(mode=0o700, parents=True, exist_ok=True)
         os.chmod(work.parent, 0o700)

@@ -26,6 +26,7 @@ from traitlets.config import SingletonConfigurable
 from .checkpoint import CheckpointStore
 from .errors import EngineUnavailable, ResumeFailed, SuspendFailed
 from .integrity import FollowingHasher
+from .procmount import dump_turn
 
 MIN_CRIU = (4, 2)
 # Where scripts/grant-criu-caps.sh puts the copy of criu that carries file capabilities.
@@ -367,18 +368,12 @@ class CheckpointEngine(SingletonConfigurable):
             args.append("--unprivileged")
         return args
 
-    _dump_lock: asyncio.Lock | None = None
-
     async def dump(
         self, pid: int, images: Path, progress: ProgressCallback | None = None
     ) -> DumpResult:
-        """One CRIU dump at a time: CRIU's parasite mounts /proc on a directory it makes,
-        `proc.crtools`, in the working directory of each task it dumps (the kernel's PID
-        namespace does not own the host /proc), so two dumps of kernels sharing a working
-        directory fail with EEXIST. The disk is the bottleneck anyway."""
-        if self._dump_lock is None:
-            self._dump_lock = asyncio.Lock()
-        async with self._dump_lock:
+        """Dumps run concurrently, except two whose CRIU would mount /proc in the same
+        directory (procmount.py)."""
+        async with dump_turn(pid):
             return await self._criu_dump(pid, images, progress)
 
     async def _criu_dump(

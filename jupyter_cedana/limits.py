@@ -28,9 +28,9 @@ class SuspendLimits(LoggingConfigurable):
         2,
         help="Most suspends (GPU offload, dump to disk, commit of the image) that run at "
         "the same time; more wait in line (shown as queued), holding neither GPU memory "
-        "copies nor disk reservations. CRIU's own dumps run one at a time in any case "
-        "(CheckpointEngine); 2 lets one kernel's dump overlap another's GPU copy or image "
-        "fsync. 0: no limit.",
+        "copies nor disk reservations. Their dumps share the disk: more at once finish a "
+        "batch little sooner and keep each kernel frozen longer (docs/benchmarks.md); 2 "
+        "lets one kernel's dump overlap another's GPU copy or image fsync. 0: no limit.",
     ).tag(config=True)
 
     max_concurrent_resumes = Integer(

@@ -67,10 +67,10 @@ class KernelParking(LoggingConfigurable):
 
     concurrency = Integer(
         2,
-        help="Kernels parked at the same time, smallest first, so that as many as "
-        "possible make the deadline. CRIU dumps run one at a time whatever this says "
-        "(CheckpointEngine); 2 overlaps one kernel's dump with the image fsync and record "
-        "of the previous one.",
+        help="Kernels parked at the same time (their dumps run together), smallest first, "
+        "so that as many as possible make the deadline. The dumps share the disk, which "
+        "limits what more at once gains; 2 also overlaps one kernel's dump with the image "
+        "fsync and record of another.",
     ).tag(config=True)
 
     adopt_on_start = Bool(

@@ -70,6 +70,9 @@ class CedanaProvisioner(Checkpointing, TransitionMachine, LocalProvisioner):  # 
             wrapped += KernelPids(parent=engine).launch_args()
         if engine.kernels_die_with_server:
             wrapped.append("--die-with-parent")
+        # The init leaves the user's directory for a private one of ours (cedana-init.c:
+        # --chdir), where CRIU makes its /proc mount point.
+        wrapped += ["--chdir", str(store.work_dir(self.kernel_id_str))]
         kw = LocalProvisioner._scrub_kwargs(kwargs)
         env = dict(kw.pop("env", None) or os.environ)
         check_executable(cmd, env, kw.get("cwd"))

@@ -1,7 +1,7 @@
 /*
  * cedana-init: the process a checkpointable kernel runs under.
  *
- *   cedana-init [--pidns] [--pidfile PATH] [--die-with-parent]
+ *   cedana-init [--pidns] [--pidfile PATH] [--die-with-parent] [--chdir DIR]
  *               [--pid-base N --pid-helper PATH] -- CMD ARGS...
  *   cedana-init --keeper PIDFILE [--die-with-parent] -- CMD ARGS...
  *
@@ -15,6 +15,13 @@
  * killed with SIGKILL), the kernel is terminated, as ipykernel would do by itself if
  * it could watch its parent. Only the watcher holds the parent-death signal; the init is
  * what CRIU dumps, and a parent-death signal there would fire right after a restore.
+ *
+ * --chdir DIR: once CMD is started (in the caller's working directory), the init moves
+ * to DIR, a private writable directory. CRIU's parasite in the root task of a tree in its
+ * own PID namespace (the host /proc is not that namespace's) makes `proc.crtools` in the
+ * task's working directory to mount a /proc there: in the user's directory two dumps of
+ * kernels sharing it collide (EEXIST), and a read-only one cannot be dumped at all. CRIU
+ * restores the init's working directory, so DIR must exist at restore time too.
  *
  * --keeper PIDFILE: the same watch for a restored kernel: runs CMD (`criu restore -d`,
  * which writes PIDFILE and exits once the tree is restored) as a child subreaper, so that
@@ -249,7 +256,7 @@ static void write_pidfile(const char *path, pid_t pid)
 		die("pidfile rename");
 }
 
-static int run_init(char **argv, const sigset_t *set)
+static int run_init(char **argv, const sigset_t *set, int chdir_fd)
 {
 	/* Fails with EPERM when already a session leader (no --pidns): that is fine. */
 	setsid();
@@ -266,6 +273,13 @@ static int run_init(char **argv, const sigset_t *set)
 		die(argv[0]);
 	}
 	setpgid(kernel, kernel);
+	if (chdir_fd >= 0) {
+		if (fchdir(chdir_fd) < 0) {
+			kill(-kernel, SIGKILL);
+			die("--chdir");
+		}
+		close(chdir_fd);
+	}
 	int code = supervise(kernel, -kernel, set, NULL);
 	if (getpid() != 1)
 		kill_leftovers();
@@ -292,6 +306,7 @@ int main(int argc, char **argv)
 {
 	int pidns = 0, die_with_parent = 0;
 	const char *pidfile = NULL, *keeper = NULL, *pid_base = NULL, *pid_helper = NULL;
+	const char *chdir_to = NULL;
 	int i = 1;
 	for (; i < argc; i++) {
 		if (strcmp(argv[i], "--pidns") == 0) {
@@ -306,6 +321,8 @@ int main(int argc, char **argv)
 			pid_base = argv[++i];
 		} else if (strcmp(argv[i], "--pid-helper") == 0 && i + 1 < argc) {
 			pid_helper = argv[++i];
+		} else if (strcmp(argv[i], "--chdir") == 0 && i + 1 < argc) {
+			chdir_to = argv[++i];
 		} else if (strcmp(argv[i], "--") == 0) {
 			i++;
 			break;
@@ -315,11 +332,18 @@ int main(int argc, char **argv)
 	}
 	if (i >= argc) {
 		fprintf(stderr, "usage: cedana-init [--pidns] [--pidfile PATH] [--die-with-parent] "
-				"[--pid-base N --pid-helper PATH] -- CMD [ARGS...]\n"
+				"[--chdir DIR] [--pid-base N --pid-helper PATH] -- CMD [ARGS...]\n"
 				"       cedana-init --keeper PIDFILE [--die-with-parent] -- CMD [ARGS...]\n");
 		return 2;
 	}
 	char **cmd = &argv[i];
+	/* Opened now: a DIR that cannot be used stops us before anything is started. */
+	int chdir_fd = -1;
+	if (chdir_to && !keeper) {
+		chdir_fd = open(chdir_to, O_PATH | O_DIRECTORY | O_CLOEXEC);
+		if (chdir_fd < 0)
+			die(chdir_to);
+	}
 	sigset_t set;
 	struct watch w = {0, keeper, 0};
 	take_signals(&set);
@@ -359,8 +383,10 @@ int main(int argc, char **argv)
 	if (init == 0) {
 		/* The init is what CRIU dumps: it must carry no parent-death signal. */
 		prctl(PR_SET_PDEATHSIG, 0);
-		return run_init(cmd, &set);
+		return run_init(cmd, &set, chdir_fd);
 	}
+	if (chdir_fd >= 0)
+		close(chdir_fd);
 	if (pidfile)
 		write_pidfile(pidfile, init);
 	int code = supervise(init, init, &set, &w);

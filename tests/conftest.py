@@ -98,24 +98,39 @@ def criu_hold(tmp_path: Path) -> Any:
     hold.disarm()
 
 
+async def start_kernel(config: Config, cwd: Path) -> Any:
+    """A python3 kernel under CedanaProvisioner started in `cwd`, with a ready client
+    (`km.test_client`); end it with stop_kernel."""
+    KernelProvisionerFactory.instance().default_provisioner_name = "cedana-provisioner"
+    km = AsyncKernelManager(kernel_name="python3", config=config)
+    await km.start_kernel(cwd=str(cwd), env={**os.environ, "CEDANA_TEST_VAR": "hello"})
+    kc = km.client()
+    kc.start_channels()
+    km.test_client = kc  # type: ignore[attr-defined]
+    try:
+        await kc.wait_for_ready(timeout=60)
+    except BaseException:
+        await stop_kernel(km)
+        raise
+    return km
+
+
+async def stop_kernel(km: Any) -> None:
+    km.test_client.stop_channels()
+    if await km.is_alive() or km.has_kernel:
+        await km.shutdown_kernel(now=True)
+
+
 @pytest.fixture
 async def kernel(engine_config: Config, tmp_path: Path) -> AsyncIterator[Any]:
     """A started python3 kernel under CedanaProvisioner, with a ready client."""
-    KernelProvisionerFactory.instance().default_provisioner_name = "cedana-provisioner"
-    km = AsyncKernelManager(kernel_name="python3", config=engine_config)
     workdir = tmp_path / "work"
     workdir.mkdir()
-    await km.start_kernel(cwd=str(workdir), env={**os.environ, "CEDANA_TEST_VAR": "hello"})
-    kc = km.client()
-    kc.start_channels()
-    await kc.wait_for_ready(timeout=60)
-    km.test_client = kc  # type: ignore[attr-defined]
+    km = await start_kernel(engine_config, workdir)
     try:
         yield km
     finally:
-        kc.stop_channels()
-        if await km.is_alive() or km.has_kernel:
-            await km.shutdown_kernel(now=True)
+        await stop_kernel(km)
 
 
 async def wait_iopub(kc: Any, timeout: float = 30) -> None:

@@ -13,6 +13,8 @@ when there and waits until `release-OP-POINT` exists (saying "fail": criu fails)
                    engine still waits on the restore.
 
 Every point is passed once per arming: `arm()` again to hold the next operation too.
+To hold several operations at once, `close_gate(OP)`: every `criu OP` started while the
+gate is closed waits before doing anything (`waiting(OP)` counts them) until `open_gate`.
 Kill the operation (timeout, cancel) only while it is held: the wrapper runs the real
 criu as its child at dump/after, and killing the wrapper then would orphan it.
 """
@@ -46,6 +48,11 @@ hold() {
   fi
 }
 case "$op" in dump|restore) ;; *) exec "$REAL" "$@" ;; esac
+if [ -e "$DIR/gate-$op" ]; then
+  : >"$DIR/waiting-$op-$$"
+  while [ -e "$DIR/gate-$op" ]; do sleep 0.01; done
+  rm -f "$DIR/waiting-$op-$$"
+fi
 hold before
 [ -e "$DIR/arm-$op-after" ] || exec "$REAL" "$@"
 if [ "$op" = dump ]; then
@@ -123,9 +130,32 @@ class CriuHold:
         tmp.write_text("fail" if fail else "")
         tmp.rename(self._file("release", op, point))
 
+    def close_gate(self, op: str) -> None:
+        """Hold every `criu OP` started from now on before it does anything."""
+        assert op in OPS, op
+        (self.dir / f"gate-{op}").touch()
+
+    def open_gate(self, op: str) -> None:
+        """Let every operation waiting at the gate go on, and hold no more."""
+        (self.dir / f"gate-{op}").unlink(missing_ok=True)
+
+    def waiting(self, op: str) -> int:
+        """How many `criu OP` wait at the closed gate now."""
+        return len(list(self.dir.glob(f"waiting-{op}-*")))
+
+    async def wait_waiting(self, op: str, count: int, timeout: float = 120) -> None:
+        """Wait until `count` operations wait at the gate together (the bound only
+        catches operations that never all get there)."""
+        deadline = time.monotonic() + timeout
+        while self.waiting(op) < count:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.waiting(op)} criu {op} at the gate, not {count}")
+            await asyncio.sleep(0.01)
+
     def disarm(self) -> None:
         """Release everything held and hold nothing more (test teardown)."""
         for op in OPS:
+            self.open_gate(op)
             for point in POINTS:
                 self._file("arm", op, point).unlink(missing_ok=True)
                 if self.reached(op, point):

@@ -22,13 +22,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from jupyter_client.manager import AsyncKernelManager
-from jupyter_client.provisioning import KernelProvisionerFactory
 from tornado.httpclient import HTTPRequest
 from tornado.websocket import websocket_connect
 from traitlets.config import Config
 
 from jupyter_cedana.engine import CheckpointEngine
+from tests.conftest import run, start_kernel, stop_kernel, wait_iopub
 from tests.test_cli import (
     Server,
     _alive,
@@ -510,48 +509,46 @@ def test_invalid_records_are_not_adopted(tmp_path: Path, servers: list[Server]) 
     assert (image / "manifest.json").is_file()
 
 
-# -- one CRIU dump at a time ------------------------------------------------------------------
+# -- dumps at once -------------------------------------------------------------------------
 
 
-async def test_kernels_sharing_a_working_directory_are_dumped_one_at_a_time(
-    tmp_path: Path,
+async def test_kernels_sharing_a_working_directory_are_dumped_at_once(
+    tmp_path: Path, criu_hold: Any
 ) -> None:
-    """CRIU's parasite makes `proc.crtools` in each dumped task's working directory, so
-    concurrent dumps of kernels with the same one fail with EEXIST (parking several
-    kernels, or the policy suspending them, does that). A criu wrapper logs when each
-    dump starts and ends."""
-    criu = CheckpointEngine().probe().criu_path
-    log = tmp_path / "dumps.log"
-    wrapper = tmp_path / "criu"
-    wrapper.write_text(
-        "#!/bin/sh\n"
-        f'case " $* " in *" dump "*) echo "start $$" >> {log};; esac\n'
-        f'{criu} "$@"; rc=$?\n'
-        f'case " $* " in *" dump "*) echo "end $$" >> {log};; esac\n'
-        "exit $rc\n"
-    )
-    wrapper.chmod(0o755)
+    """Kernels sharing a working directory (parked together, or suspended together by
+    the policy) are dumped at the same time. CRIU's parasite makes the mount point of a
+    /proc, `proc.crtools`, in the working directory of the init it dumps: each init works
+    in a private directory of its own, never in the kernels' one, where a `proc.crtools`
+    (what a dump of a task working there holds while it runs) does not get in the way."""
     config = Config()
     config.CheckpointEngine.checkpoint_root = str(tmp_path / "checkpoints")
-    config.CheckpointEngine.criu_path = str(wrapper)
-    KernelProvisionerFactory.instance().default_provisioner_name = "cedana-provisioner"
+    config.CheckpointEngine.criu_path = str(criu_hold.wrapper)
     shared = tmp_path / "notebooks"
-    shared.mkdir()
+    (shared / "proc.crtools").mkdir(parents=True)
     kms = []
     try:
-        for _ in range(3):
-            km = AsyncKernelManager(kernel_name="python3", config=config)
-            await km.start_kernel(cwd=str(shared))
-            kms.append(km)
-        for km in kms:
-            kc = km.client()
-            kc.start_channels()
-            await kc.wait_for_ready(timeout=60)
-            kc.stop_channels()
-        await asyncio.gather(*(km.provisioner.suspend() for km in kms))
+        for k in range(2):
+            kms.append(await start_kernel(config, shared))
+            await run(kms[-1].test_client, f"import os; k = {k}")
+        inits = {os.readlink(f"/proc/{km.provisioner.pid}/cwd") for km in kms}
+        assert len(inits) == len(kms) and str(shared) not in inits
+
+        criu_hold.close_gate("dump")
+        suspends = [asyncio.ensure_future(km.provisioner.suspend()) for km in kms]
+        # Both dumps are in flight together: were dumps run one at a time, the second
+        # would not start while the first waits at the gate.
+        await criu_hold.wait_waiting("dump", len(kms))
+        criu_hold.open_gate("dump")
+        await asyncio.gather(*suspends)
         assert all(km.provisioner.state.value == "suspended" for km in kms)
-        events = log.read_text().split()[::2]
-        assert events == ["start", "end"] * 3, log.read_text()
+
+        for k, km in enumerate(kms):
+            await km.provisioner.resume()
+            await wait_iopub(km.test_client)
+            _, out = await run(km.test_client, "print(k, os.getcwd())")
+            assert out.strip() == f"{k} {shared}"
+        assert [p.name for p in shared.iterdir()] == ["proc.crtools"]
     finally:
+        criu_hold.open_gate("dump")
         for km in kms:
-            await km.shutdown_kernel(now=True)
+            await stop_kernel(km)

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import os
 import signal
 import socket
 import stat
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from jupyter_client.manager import _ShutdownStatus
@@ -19,12 +22,13 @@ from jupyter_cedana.checkpoint import ROOT_MARKER
 from jupyter_cedana.errors import CheckpointCorrupt, Conflict, ResumeFailed, SuspendFailed
 from jupyter_cedana.proctree import process_tree
 from jupyter_cedana.provisioner import KernelState
-from tests.conftest import kernel_pids, run, wait_iopub
+from tests.conftest import kernel_pids, run, start_kernel, stop_kernel, wait_iopub
 
 pytestmark = pytest.mark.criu
 
-# What a checkpoint root holds besides images: kernel logs and the store's marker.
-BOOKKEEPING = (".logs", ROOT_MARKER)
+# What a checkpoint root holds besides images: kernel logs, the inits' working
+# directories (with CRIU's restore logs) and the store's marker.
+BOOKKEEPING = (".logs", ".work", ROOT_MARKER)
 
 STATE_SETUP = r"""
 import os, sys, threading, time, json
@@ -118,6 +122,65 @@ async def test_suspend_resume_keeps_state(kernel, checkpoint_root: Path) -> None
         "modules": True,
         "ppid_ok": True,
     }
+
+
+def init_cwd(km: Any) -> str:
+    """The working directory of the kernel's init: the root task CRIU dumps."""
+    return os.readlink(f"/proc/{km.provisioner.pid}/cwd")
+
+
+@pytest.fixture(params=["bind", "tmpfs"])
+def read_only_dir(tmp_path: Path, request: Any) -> Iterator[Path]:
+    """A read-only directory: a read-only bind mount of one holding a file, or an empty
+    read-only tmpfs."""
+    ro = tmp_path / "read-only"
+    ro.mkdir()
+    if request.param == "bind":
+        src = tmp_path / "src"
+        src.mkdir()
+        (src / "input.txt").write_text("data")
+        subprocess.run(["mount", "--bind", str(src), str(ro)], check=True)
+        subprocess.run(["mount", "-o", "remount,bind,ro", str(ro)], check=True)
+    else:
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(ro)], check=True)
+    try:
+        yield ro
+    finally:
+        subprocess.run(["umount", "-l", str(ro)], check=False)
+
+
+@pytest.mark.root
+async def test_kernel_in_a_read_only_directory_suspends_and_resumes(
+    engine_config, checkpoint_root: Path, read_only_dir: Path
+) -> None:
+    """CRIU makes the mount point of a /proc in the working directory of the init it
+    dumps: the init works in a private directory under the checkpoint root, never in the
+    kernel's, so a kernel started in a read-only directory (a read-only export, a
+    root-squashed home) is suspended and resumed."""
+    km = await start_kernel(engine_config, read_only_dir)
+    try:
+        kc = km.test_client
+        _reply, out = await run(
+            kc,
+            "import os; x = 41; listing = sorted(os.listdir('.'))\n"
+            "try:\n    open('probe', 'w')\nexcept OSError as e:\n    print(e.errno)",
+        )
+        assert out.strip() == str(errno.EROFS), out
+        private = checkpoint_root / ".work" / km.kernel_id
+        assert init_cwd(km) == str(private)
+        assert stat.S_IMODE(private.stat().st_mode) == 0o700
+
+        await km.provisioner.suspend()
+        assert km.provisioner.state == KernelState.suspended
+        await km.provisioner.resume()
+        await wait_iopub(kc)
+        _, out = await run(kc, "print(x + 1, os.getcwd(), listing)")
+        want = sorted(os.listdir(read_only_dir))
+        assert out.strip() == f"42 {read_only_dir} {want}"
+        assert init_cwd(km) == str(private)  # CRIU restored it there
+    finally:
+        await stop_kernel(km)
+    assert not private.exists()  # removed with the kernel
 
 
 async def test_suspend_twice_and_resume_twice(kernel) -> None:
@@ -214,6 +277,7 @@ async def test_shutdown_of_suspended_kernel_leaves_nothing(kernel, checkpoint_ro
     assert not (checkpoint_root / kernel.kernel_id).exists()
     assert [p.name for p in checkpoint_root.iterdir() if p.name not in BOOKKEEPING] == []
     assert not list((checkpoint_root / ".logs").iterdir())
+    assert not list((checkpoint_root / ".work").iterdir())  # the init's directory too
     with socket.socket() as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         s.bind(("127.0.0.1", ports[0]))
