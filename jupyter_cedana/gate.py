@@ -28,6 +28,7 @@ from jupyter_server.services.kernels.connection.base import (
 )
 from jupyter_server.services.kernels.connection.channels import ZMQChannelsWebsocketConnection
 
+from . import links
 from .errors import CedanaError
 from .replies import WAKE, Message, ReplyCache, disposition
 
@@ -36,6 +37,8 @@ KERNEL_ACTIONS = "https://events.jupyter.org/jupyter_server/kernel_actions/v1"
 # A delivered request keeps the policy off the kernel until the kernel is idle again for
 # it, or for this long (then the kernel's own busy state, if it still runs it, does).
 DELIVERY_GRACE_SECONDS = 30.0
+# ZMQ reconnects every 0.1 s; a stdin socket not back by then is stuck for another reason.
+STDIN_RECONNECT_TIMEOUT = 10.0
 Held = tuple["GatedWebsocketConnection", Message]
 # Kernel messages the reply cache learns from.
 _CACHED = frozenset({"kernel_info_reply", "comm_info_reply", "comm_open", "comm_close"})
@@ -287,6 +290,8 @@ class MessageGate:
                 for result in results:
                     if isinstance(result, BaseException):
                         self.log.warning("IOPub of a client of kernel %s: %s", kid, result)
+                # The kernel asks for input() on stdin, which the nudge does not prove.
+                await asyncio.gather(*(c.stdin_ready() for c in self.connections(kid)))
                 # Delivery below is synchronous: a suspend that has not begun by now
                 # begins after the messages are on their way, and busy() holds the policy.
                 if self.state(kid) == "running" and not self.manager.transition_pending(kid):
@@ -360,6 +365,25 @@ class GatedWebsocketConnection(ZMQChannelsWebsocketConnection):
         except BaseException:
             gate.connecting(self, False)
             raise
+
+    def create_stream(self) -> None:
+        super().create_stream()
+        gate, stdin = self.gate, self.channels.get("stdin")
+        if gate is not None and stdin is not None:
+            links.watch(stdin, connected=gate.state(self.kernel_id) == "running")
+
+    async def stdin_ready(self, timeout: float = STDIN_RECONNECT_TIMEOUT) -> None:
+        """Wait until this connection's stdin socket is connected to the kernel (links.py)."""
+        stdin = self.channels.get("stdin")
+        link = getattr(stdin, "_cedana_link", None)
+        if stdin is None or link is None or stdin.closed() or await link.wait(timeout):
+            return
+        self.log.warning(
+            "The stdin channel of a client of kernel %s did not reconnect in %ss: "
+            "an input() prompt may not reach it",
+            self.kernel_id,
+            timeout,
+        )
 
     def nudge(self) -> asyncio.Future[None]:
         gate = self.gate

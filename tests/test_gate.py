@@ -363,6 +363,39 @@ async def test_input_in_a_cell_sent_to_a_suspended_kernel(api, new_kernel, conne
     assert prompts == ["who? "]
 
 
+async def test_a_held_cell_waits_for_stdin_to_reconnect(
+    api, new_kernel, connect, jp_serverapp, monkeypatch
+):
+    """After a restore each client socket reconnects on its own; the kernel's input
+    request to a stdin socket not yet back is dropped by ZMQ, so the gate delivers a held
+    cell only once stdin is connected. Here the test keeps it away until it lets it go."""
+    from jupyter_cedana import gate as gate_module
+
+    monkeypatch.setattr(gate_module, "STDIN_RECONNECT_TIMEOUT", 600.0)
+    kid = await new_kernel()
+    client = await connect(kid)
+    await client.run("greeting = 'hi'")
+    await api("POST", "kernels", kid, "suspend")
+    g = gate(jp_serverapp)
+    (conn,) = g.connections(kid)
+    stdin = conn.channels["stdin"]
+    info = jp_serverapp.kernel_manager.get_kernel(kid).get_connection_info()
+    url = f"{info['transport']}://{info['ip']}:{info['stdin_port']}"
+    stdin.socket.disconnect(url)  # no reconnect until the test connects it again
+
+    cell = client.execute("name = input('who? '); print(greeting, name)")
+    await until(lambda: state(jp_serverapp, kid) == "running", "the resume")
+    # Resumed, IOPub confirmed, the cell still held: it waits for stdin.
+    await until(lambda: kid in g._releasing, "the release to run")
+    assert [m for _, m in g._held.get(kid, [])] and not stdin._cedana_link.connected
+    assert not [m for m in client.received if m["parent_header"].get("msg_id") == cell]
+
+    stdin.socket.connect(url)
+    got = await client.answer(cell, stdin="bob")
+    assert got["reply"]["content"]["status"] == "ok" and got["stdout"] == "hi bob\n"
+    assert [m["content"]["prompt"] for m in got["msgs"] if m["msg_type"] == "input_request"]
+
+
 async def test_interrupt_of_a_suspended_kernel_is_409(
     api, new_kernel, connect, jp_fetch, jp_serverapp
 ):
