@@ -1,0 +1,415 @@
+"""Resume of a kernel: the restore of its image (whole, or lazily with pages served as
+they are touched), its GPU memory, checksums verified alongside, and the rollback when
+any step fails; and what suspend and resume share (checkpointing.py builds on it).
+
+Mixed into CedanaProvisioner, whose process, pid and ports it acts on; every state
+change goes through the transition machine (transitions.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from . import lazy
+from .cuda import CudaStateLeft
+from .engine import CheckpointEngine, kill_restore
+from .errors import (
+    CedanaError,
+    CheckpointCorrupt,
+    Conflict,
+    InsufficientGpuMemory,
+    ResumeFailed,
+)
+from .gpu_steps import GpuSteps
+from .integrity import is_page_file
+from .pids import check_free
+from .proctree import process_tree
+from .transitions import KernelState
+
+
+class Restoring(GpuSteps):
+    """resume() of the provisioner's kernel, and the parts suspend() shares."""
+
+    """suspend() / resume() of the provisioner's kernel."""
+
+    kernel_id: Any
+    pid: int | None
+    process: Any
+    parent: Any
+    suspended_at: float | None = None
+    last_suspend_seconds: float | None = None
+    # Where the last suspend's time went (seconds), for benchmarks and logs.
+    last_suspend_breakdown: dict[str, float] | None = None
+    last_resume_breakdown: dict[str, Any] | None = None
+    last_resume_seconds: float | None = None
+    checkpoint_bytes: int = 0
+    gpu_memory_freed: int = 0
+    _chores: set[asyncio.Future[Any]]
+    # (kernel id, image bytes) -> None, or raises to refuse a dumped image before it is
+    # committed (the checkpoint budget; set by the suspend manager).
+    image_guard: Callable[[str, int], None] | None = None
+    _loading: asyncio.Future[None] | None = None  # a lazy restore's pages coming in
+
+    @property
+    def engine(self) -> CheckpointEngine:
+        # Taken once: a kernel's images stay in the root it started with, even if the
+        # process-wide engine is replaced later (tests do; parking reads the first one).
+        engine: CheckpointEngine | None = self.__dict__.get("_engine")
+        if engine is None:
+            engine = self.__dict__["_engine"] = CheckpointEngine.instance(parent=self.parent)
+        return engine
+
+    @property
+    def kernel_id_str(self) -> str:
+        return str(self.kernel_id)
+
+    # Implemented by the provisioner (the process and its ports are its business).
+    async def poll(self) -> int | None:
+        raise NotImplementedError
+
+    def _ports(self) -> list[int]:
+        raise NotImplementedError
+
+    def _reserve_ports(self) -> None:
+        raise NotImplementedError
+
+    def _release_ports(self) -> None:
+        raise NotImplementedError
+
+    async def resume(self) -> dict[str, Any]:
+        """Restore a suspended kernel; on failure the image is kept and a retry may work."""
+        self._refuse_while_shutting_down()
+        return await self._once("resume", self._resume)
+
+    def _refuse_while_shutting_down(self) -> None:
+        # A shutdown or restart aborts the transition in flight; none may start after it.
+        if getattr(self.parent, "shutting_down", False):
+            raise Conflict(
+                f"Kernel {self.kernel_id} is not running: it is shutting down or restarting"
+            )
+
+    async def _gpu(self) -> Any:
+        """The CUDA checkpointer when GPU checkpointing is possible here, else None."""
+        return await self.engine.cuda_checkpointer()
+
+    @staticmethod
+    def _continue(pids: set[int]) -> None:
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+
+    async def _continue_restored(
+        self,
+        root: int,
+        timeout: float = 10.0,
+        before: Callable[[], Awaitable[None]] | None = None,
+    ) -> None:
+        """CRIU writes the pidfile while the restored tasks are still ptrace-stopped and
+        stops them for good (SIGSTOP) only as it detaches: a SIGCONT sent before that is
+        overtaken. Wait for the group stop of every task, run `before` (the GPU restore),
+        continue, and make sure."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            pids = process_tree(root)
+            if pids and all(_proc_state(p) == "T" for p in pids):
+                break
+            await asyncio.sleep(0.005)
+        else:
+            self.log.warning("Restored kernel %s did not report stopped; continuing it", root)
+        if before is not None:
+            await before()
+        settle = time.monotonic() + 1.0
+        while True:
+            self._continue(process_tree(root))
+            await asyncio.sleep(0.02)
+            if time.monotonic() > settle or not any(
+                _proc_state(p) == "T" for p in process_tree(root)
+            ):
+                break
+
+    def _kill_tree(self, root: int) -> None:
+        """SIGKILL a kernel tree: its PID-namespace init takes the namespace with it;
+        without a namespace every process is killed, children first."""
+        if not root:
+            return
+        targets = [root] if self.engine.pidns else sorted(process_tree(root), reverse=True)
+        for pid in targets:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+    async def _resume(self) -> dict[str, Any]:
+        if self.state == KernelState.running:
+            raise Conflict(f"Kernel {self.kernel_id} is running, not suspended")
+        if self.tier == "offload" and self.state in (KernelState.suspended, KernelState.failed):
+            return await self._resume_offload()
+        if self.state == KernelState.failed and self._gpu_lost:
+            raise Conflict(f"Kernel {self.kernel_id} cannot be resumed: {self.reason}; restart it")
+        engine = self.engine
+        engine.require()
+        store = engine.store
+        kid = self.kernel_id_str
+        previous = self.state
+        self._set_state(KernelState.resuming)
+        t0 = time.monotonic()
+        try:
+            manifest = store.check_sizes(kid)
+            check_free(manifest.get("task_ids"))
+            gpu_state = manifest.get("gpu") or self._gpu_state
+            gpu, plan = await self._admit(gpu_state)
+        except InsufficientGpuMemory as e:
+            # Nothing was touched: the kernel stays suspended and a later resume may fit.
+            self._set_state(previous, reason=e.message)
+            raise
+        except BaseException as e:
+            self._fail_resume(kid, previous, e)
+            raise self._as_resume_error(kid, e) from e
+        # CRIU restores (leaving the tree stopped) while the checksums are verified: both
+        # read the same pages, so a cold image is read from disk once, not twice. A lazy
+        # restore checks what CRIU reads before it starts; the pages, as they are served.
+        loop = asyncio.get_running_loop()
+        self._set_progress("restore", 0, int(manifest["total_bytes"]) or None)
+
+        abandoned = threading.Event()
+
+        def verified(done: int, total: int) -> None:
+            if abandoned.is_set():  # the restore failed or was cancelled: stop reading
+                raise ResumeFailed("checksum verification abandoned")
+            loop.call_soon_threadsafe(self._set_progress, "restore", done, total)
+
+        verify: asyncio.Future[Any] = loop.create_future()
+        verify.set_result(None)
+        pages: lazy.PageServer | None = None
+        proc: subprocess.Popen[bytes] | None = None
+        restored: asyncio.Future[int] | None = None
+        pid: int | None = None
+        try:
+            images = store.path(kid)
+            work = store.work_dir(kid)
+            pidfile = work / "restored.pid"
+            pidfile.unlink(missing_ok=True)
+            if self._restores_lazily(manifest, gpu_state):
+                lazy_plan = await asyncio.to_thread(
+                    lazy.check_before_restore, store, kid, manifest, work
+                )
+                pages = lazy.PageServer(
+                    engine.pages_binary(), images, work, pidfile, lazy_plan, self.log
+                )
+                await pages.start(verified)
+            else:
+                verify = asyncio.ensure_future(asyncio.to_thread(store.verify, kid, verified))
+            t_checked = time.monotonic()
+            self._release_ports()
+            proc = engine.start_restore(images, work, pidfile, lazy=pages is not None)
+            restored = asyncio.ensure_future(engine.wait_restored(proc, work, pidfile))
+            # A checksum mismatch stops the restore at once, whatever CRIU is doing.
+            await asyncio.wait({restored, verify}, return_when=asyncio.FIRST_EXCEPTION)
+            if verify.done() and verify.exception() is not None:
+                restored.cancel()
+                with contextlib.suppress(BaseException):
+                    await restored
+                await verify
+            pid = await restored
+            await verify
+            t_restored = time.monotonic()
+            before, after = self._gpu_restore_step(gpu, gpu_state, pid, plan)
+            await self._continue_restored(pid, before=before)
+            if after is not None:
+                await after()
+        except BaseException as caught:
+            # Whatever was restored must not run on: its image or its GPU memory is wrong.
+            err: BaseException = caught
+            abandoned.set()
+            if restored is not None and not restored.done():
+                restored.cancel()  # it polls for a PID that will not come
+            restored_pids = process_tree(pid) if pid is not None else set()
+            if proc is not None:  # a tree restored but not yet reported is CRIU's child
+                restored_pids |= process_tree(proc.pid) - {proc.pid}
+            if pid is not None:
+                self._kill_tree(pid)
+            if proc is not None:
+                await asyncio.to_thread(kill_restore, proc)
+            await _gone(restored_pids)
+            if pages is not None:
+                await pages.stop()
+            pending: set[asyncio.Future[Any]] = {verify}
+            if restored is not None:
+                pending.add(restored)
+            await asyncio.wait(pending)
+            if restored is not None and not restored.cancelled():
+                restored.exception()  # seen: the error to report is `caught`
+            damaged = None if verify.cancelled() else verify.exception()
+            if isinstance(damaged, CheckpointCorrupt):
+                err = damaged  # explains a CRIU failure better than CRIU does
+            self._reserve_ports()
+            self._fail_resume(kid, previous, err)
+            raise self._as_resume_error(kid, err) from caught
+        assert proc is not None and pid is not None
+        self.process = proc
+        self.pid = pid
+        self._gpu_state = None
+        self.last_resume_seconds = time.monotonic() - t0
+        self.last_resume_breakdown = {
+            "lazy": pages is not None,
+            "check_s": t_checked - t0,  # sizes, admission, what a lazy restore checks first
+            "restore_s": t_restored - t_checked,  # CRIU (and a whole restore's checksums)
+            "continue_s": time.monotonic() - t_restored,
+        }
+        if pages is not None:
+            # The image stays until every page is in.
+            self._loading = asyncio.ensure_future(self._load_memory(pages, proc, pid))
+        elif not engine.keep_image_after_resume:
+            self._discard_image_later()
+        self.tier = None
+        self.suspended_at = None
+        self._set_state(KernelState.running)
+        self.log.info("Resumed kernel %s in %.2f s (pid %s)", kid, self.last_resume_seconds, pid)
+        return self.summary()
+
+    def _restores_lazily(self, manifest: dict[str, Any], gpu_state: Any) -> bool:
+        # GPU checkpoints: the CUDA restore reads the process's memory right away, and
+        # has not been checked against pages served by userfaultfd.
+        page_files = [m for n, m in manifest["files"].items() if is_page_file(n)]
+        chunked = bool(page_files) and all("chunks" in m for m in page_files)
+        return chunked and not gpu_state and self.engine.lazy_unsupported() is None
+
+    def _discard_image_later(self) -> None:
+        # The kernel runs already; gigabytes of deletion need not delay its first output.
+        doomed = self.engine.store.detach_image(self.kernel_id_str)
+        if doomed is not None:
+            self._background(asyncio.to_thread(shutil.rmtree, doomed, True))
+        self.checkpoint_bytes = 0
+
+    async def _load_memory(
+        self, pages: lazy.PageServer, proc: subprocess.Popen[bytes], pid: int
+    ) -> None:
+        """Wait for a lazily restored kernel's memory to be in; then the image goes. If
+        it cannot all come in, the kernel is killed (it must not run on with wrong or
+        missing memory) and goes to `failed`, keeping its image."""
+        kid = self.kernel_id_str
+        try:
+            seconds = await asyncio.shield(pages.done)
+        except lazy.KernelExited:
+            await pages.stop()  # shut down or crashed meanwhile: nothing to load into
+            return
+        except BaseException as e:
+            restored = process_tree(pid)
+            self._kill_tree(pid)
+            await _gone(restored)
+            await pages.stop()
+            with contextlib.suppress(Exception):
+                await asyncio.to_thread(proc.wait, 10)
+            if self.process is proc:
+                self.process = None
+            self._reserve_ports()
+            reason = getattr(e, "message", None) or str(e) or type(e).__name__
+            self.log.error("Kernel %s killed, its image kept: %s", kid, reason)
+            if self.state == KernelState.running:
+                self._set_state(KernelState.failed, reason=reason)
+            return
+        finally:
+            self._loading = None
+        await pages.stop()
+        self.log.info(
+            "Kernel %s: all %.1f MB of its memory in, %.2f s after the page server started",
+            kid,
+            pages.bytes_done / 1e6,
+            seconds,
+        )
+        if not self.engine.keep_image_after_resume:
+            self._discard_image_later()
+
+    async def memory_loaded(self) -> None:
+        """Returns once a lazily restored kernel's memory is all in (at once otherwise).
+        A suspend waits for it: the image being loaded goes away then, and a new dump
+        must not go with it."""
+        if self._loading is not None:
+            await asyncio.shield(self._loading)
+
+    def _background(self, work: Awaitable[Any]) -> None:
+        task = asyncio.ensure_future(work)
+        self._chores.add(task)
+        task.add_done_callback(self._chores.discard)
+
+    async def _admit(self, gpu_state: dict[str, Any] | None) -> tuple[Any, Any]:
+        """Restore admission, before anything is restored: the checkpointed GPU memory
+        must fit on a GPU of the same model (a restore that runs out can hang for good)."""
+        if not gpu_state:
+            return None, True
+        gpu = await self._gpu()
+        if gpu is None:
+            raise ResumeFailed(
+                "This checkpoint holds GPU memory, but GPU checkpointing is unavailable here: "
+                f"{self.engine.cuda_status()[1]}"
+            )
+        return gpu, await gpu.admit(gpu_state)
+
+    def _fail_resume(self, kid: str, previous: KernelState, e: BaseException) -> None:
+        reason = getattr(e, "message", None) or str(e) or type(e).__name__
+        if isinstance(e, asyncio.CancelledError):
+            self._set_state(previous, reason=reason)
+        else:
+            self._set_state(KernelState.failed, reason=reason)
+        self.log.error("Resume of kernel %s failed: %s", kid, reason)
+
+    @staticmethod
+    def _as_resume_error(kid: str, e: BaseException) -> BaseException:
+        if isinstance(e, CedanaError | asyncio.CancelledError):
+            return e
+        return ResumeFailed(f"Resume of kernel {kid} failed: {e}")
+
+    async def _resume_offload(self) -> dict[str, Any]:
+        gpu = await self._gpu()
+        previous = self.state
+        self._set_state(KernelState.resuming)
+        t0 = time.monotonic()
+        try:
+            if gpu is None:
+                raise ResumeFailed("GPU checkpoint support went away")
+            await gpu.restore(self._gpu_state, None, progress=self._gpu_progress)
+        except CudaStateLeft as e:
+            self._gpu_left(e)
+            raise
+        except BaseException as e:
+            self._set_state(previous, reason=getattr(e, "message", None) or str(e))
+            raise
+        self._gpu_state = None
+        self.tier = None
+        self.suspended_at = None
+        self.last_resume_seconds = time.monotonic() - t0
+        self._set_state(KernelState.running)
+        return self.summary()
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "state": self.state.value,
+            "tier": self.tier,
+            "checkpoint_bytes": self.checkpoint_bytes,
+            "last_suspend_seconds": self.last_suspend_seconds,
+            "last_resume_seconds": self.last_resume_seconds,
+            "gpu_memory_freed": self.gpu_memory_freed,
+            "reason": self.reason,
+        }
+
+
+def _proc_state(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "?"
+
+
+async def _gone(pids: set[int], timeout: float = 5.0) -> None:
+    """Wait until killed processes have really exited (SIGKILL is not synchronous)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and any(_proc_state(p) not in ("?", "Z", "X") for p in pids):
+        await asyncio.sleep(0.01)
