@@ -48,11 +48,12 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchlib import plain_write_fsync  # noqa: E402
+
 from tests.test_cli import Server, start_server, stop_server, wait_ready  # noqa: E402
 from tests.test_parking import execute, listed  # noqa: E402
 
 GB = 1e9
-CHUNK = 8 << 20
 IDLE_KERNEL_GB = 0.065  # an idle kernel with numpy imported
 DEADLINES = {"kube 1 s": 1.0, "docker 10 s": 10.0, "default 20 s": 20.0, "local 30 s": 30.0}
 PARKED_RE = re.compile(r"parked (\d+) of (\d+) kernel\(s\) in ([0-9.]+) s")
@@ -68,18 +69,9 @@ def drop_caches() -> bool:
 
 
 def write_fsync(directory: Path, nbytes: int) -> float:
+    """Seconds until nbytes are written and durable, as a parked image must be."""
     path = directory / "plain-write.bin"
-    buf = os.urandom(CHUNK)
-    t0 = time.perf_counter()
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        left = nbytes
-        while left > 0:
-            left -= os.write(fd, buf[: min(CHUNK, left)])
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    took = time.perf_counter() - t0
+    took = plain_write_fsync(path, nbytes)[1]
     path.unlink()
     return took
 
