@@ -48,18 +48,20 @@ class Checkpointing(Restoring):
             )
         if self.state == KernelState.running and (not self.pid or await self.poll() is not None):
             raise Conflict(f"Kernel {self.kernel_id} is not running")
-        if self.state == KernelState.running:
-            await self._before_suspend()  # e.g. the reply cache learns what the kernel is
-        if tier == "offload":
-            return await self._offload()
         previous = self.state
-        from_offload = previous == KernelState.suspended  # offloaded → disk
+        # Shown at once (a 202 says `suspending`); clients' messages are held from now on.
         self._set_state(KernelState.suspending)
         try:
-            return await self._dump(from_offload=from_offload)
+            if previous == KernelState.running:
+                await self._before_suspend()  # e.g. the reply cache learns what the kernel is
+            if tier == "offload":
+                return await self._offload()
+            return await self._dump(from_offload=previous == KernelState.suspended)
         except BaseException as e:
             if self.state == KernelState.suspending:
-                self._set_state(previous, reason=getattr(e, "message", None) or str(e))
+                # A refusal (Conflict) is the caller's answer, not the kernel's condition.
+                reason = None if isinstance(e, Conflict) else getattr(e, "message", None) or str(e)
+                self._set_state(previous, reason=reason)
             raise
 
     async def _offload(self) -> dict[str, Any]:
@@ -67,7 +69,6 @@ class Checkpointing(Restoring):
         if gpu is None:
             why = self.engine.cuda_status()[1] if self.engine.gpu else "CheckpointEngine.gpu is off"
             raise Conflict(f"GPU offload is unavailable: {why or 'no CUDA checkpoint support'}")
-        self._set_state(KernelState.suspending)
         t0 = time.monotonic()
         try:
             result = await gpu.offload(process_tree(self.pid or 0), progress=self._gpu_progress)

@@ -368,15 +368,14 @@ class GatedWebsocketConnection(ZMQChannelsWebsocketConnection):
 
     def create_stream(self) -> None:
         super().create_stream()
-        gate, stdin = self.gate, self.channels.get("stdin")
-        if gate is not None and stdin is not None:
-            links.watch(stdin, connected=gate.state(self.kernel_id) == "running")
+        stdin = self.channels.get("stdin")
+        if self.gate is not None and stdin is not None:
+            links.immediate(stdin)
 
     async def stdin_ready(self, timeout: float = STDIN_RECONNECT_TIMEOUT) -> None:
         """Wait until this connection's stdin socket is connected to the kernel (links.py)."""
         stdin = self.channels.get("stdin")
-        link = getattr(stdin, "_cedana_link", None)
-        if stdin is None or link is None or stdin.closed() or await link.wait(timeout):
+        if stdin is None or stdin.closed() or await links.wait_connected(stdin, timeout):
             return
         self.log.warning(
             "The stdin channel of a client of kernel %s did not reconnect in %ss: "

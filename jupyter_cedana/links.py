@@ -4,64 +4,55 @@ A kernel sends `input_request` on its stdin ROUTER socket, addressed to the clie
 identity, and ZMQ silently drops a message to an identity that has not connected (yet).
 After a restore every client socket reconnects on its own timer: the gate's nudge proves
 shell and IOPub are back, but a held cell calling input(), delivered before stdin is back,
-would wait forever for an answer to a prompt that never left the kernel. So each stdin
-socket is watched (a ZMQ socket monitor) and the gate waits for it before delivering.
+would wait forever for an answer to a prompt that never left the kernel.
+
+So the stdin socket of a gated connection is connected with ZMQ_IMMEDIATE: its pipe to
+the kernel exists only while a connection is complete, and the socket is writable
+(POLLOUT) exactly then. (A ZMQ socket monitor would say the same, but libzmq's I/O thread
+sends monitor events with a blocking send: one monitor not read blocks every socket of
+the context.)
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import uuid
+import time
 from typing import Any
 
 import zmq
-from zmq.eventloop.zmqstream import ZMQStream
-from zmq.utils.monitor import parse_monitor_message
 
-_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | zmq.EVENT_MONITOR_STOPPED
-
-
-class LinkWatch:
-    """Follows one connecting socket's handshakes with its peer."""
-
-    def __init__(self, socket: zmq.Socket[Any], connected: bool):
-        # `connected`: what the caller knows now. A handshake that completed before the
-        # monitor was attached is never reported, but it can only have happened with a
-        # running kernel; a suspended one listens on nothing.
-        self._up = asyncio.Event()
-        if connected:
-            self._up.set()
-        addr = f"inproc://cedana-monitor-{uuid.uuid4().hex}"
-        self._monitor = ZMQStream(socket.get_monitor_socket(_EVENTS, addr))
-        self._monitor.on_recv(self._on_event)
-
-    def _on_event(self, frames: list[bytes]) -> None:
-        event = parse_monitor_message(frames)["event"]
-        if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-            self._up.set()
-        elif event == zmq.EVENT_DISCONNECTED:
-            self._up.clear()
-        elif event == zmq.EVENT_MONITOR_STOPPED:  # the socket was closed
-            self._up.clear()
-            self._monitor.close(linger=0)
-
-    @property
-    def connected(self) -> bool:
-        return self._up.is_set()
-
-    async def wait(self, timeout: float) -> bool:
-        """True once the socket is connected; False after `timeout` seconds."""
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(self._up.wait(), timeout)
-        return self._up.is_set()
+# ZMQ retries a connection every 0.1 s; this is how often we look.
+_POLL_SECONDS = 0.02
 
 
-def watch(stream: Any, connected: bool) -> LinkWatch:
-    """The watch of `stream` (a ZMQStream), made on first use. It lives with the stream,
-    which jupyter_server may hand on to the next connection of the same session."""
-    link: LinkWatch | None = getattr(stream, "_cedana_link", None)
-    if link is None:
-        link = LinkWatch(stream.socket, connected)
-        stream._cedana_link = link
-    return link
+def immediate(stream: Any) -> None:
+    """Reconnect a just-connected stdin stream with ZMQ_IMMEDIATE (an option that only
+    applies to connections made after it is set)."""
+    sock: zmq.Socket[Any] = stream.socket
+    url = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+    sock.disconnect(url)
+    sock.immediate = True
+    sock.connect(url)
+
+
+def connected(stream: Any) -> bool:
+    sock = stream.socket
+    if sock is None or sock.closed:
+        return False
+    events = sock.get(zmq.EVENTS)
+    # Reading EVENTS can consume the wakeup (edge) the stream's own loop waits for: hand
+    # whatever is pending to the stream's callbacks now, as its loop would have.
+    flag = (zmq.POLLIN if stream.receiving() else 0) | (zmq.POLLOUT if stream.sending() else 0)
+    if events & flag:
+        stream.flush(events & flag)
+    return bool(events & zmq.POLLOUT)
+
+
+async def wait_connected(stream: Any, timeout: float) -> bool:
+    """True once `stream` (made `immediate`) is connected; False after `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while not connected(stream):
+        if stream.closed() or time.monotonic() >= deadline:
+            return False
+        await asyncio.sleep(_POLL_SECONDS)
+    return True

@@ -40,6 +40,9 @@ def test_short_torture_run_loses_and_leaks_nothing(tmp_path: Path) -> None:
         text=True,
         timeout=280,
     )
+    assert out.exists(), (
+        f"no report (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    )
     report = json.loads(out.read_text())
     assert report["operations"] >= 25, proc.stdout[-3000:]
     assert report["failures"] == {}, report["failure_examples"]
