@@ -173,6 +173,8 @@ class MessageGate:
         if data.get("action") == "shutdown":
             self._held.pop(kid, None)
             self._wake.discard(kid)
+        if data.get("action") == "restart":
+            touch(self.kernel_manager, kid)  # a person restarted it: not idle since
         if data.get("action") in ("start", "restart"):
             self.watch(kid)
             self._background(self.refresh(kid))

@@ -474,7 +474,7 @@ class SuspendManager(LoggingConfigurable):
             decision = self.policy.decide(self._facts(kid, kernel))
             if decision.action is None or any(k.startswith(kid) for k in self._tasks):
                 continue
-            if decision.action != "shutdown" and self._guarded(kid):
+            if decision.action != "shutdown" and (self._guarded(kid) or _between(kernel)):
                 continue
             if decision.action == "shutdown":
                 self.log.info("Policy: shut down kernel %s (%s)", kid, decision.reason)
@@ -539,3 +539,10 @@ class SuspendManager(LoggingConfigurable):
 
     def _emit(self, kernel_id: str, action: str, state: str, tier: str | None, **kw: Any) -> None:
         self.events.emit(kernel_id, action, state, tier, **kw)
+
+
+def _between(kernel: Any) -> bool:
+    """Starting, restarting or shutting down: no settled process to freeze, and the
+    execution state and activity seen are the previous process's."""
+    ready = getattr(kernel, "_ready", None)  # jupyter_client's future of the start
+    return bool(getattr(kernel, "shutting_down", False)) or (ready is not None and not ready.done())

@@ -552,3 +552,40 @@ async def test_restart_during_a_held_resume_answers_the_held_cell(
     # would be lost, with or without jupyter-cedana).
     fresh = await connect(kid)
     assert await fresh.run("print('gone' in dir())") == "False\n"
+
+
+async def test_the_policy_leaves_a_restarting_kernel_alone(
+    api, new_kernel, jp_fetch, jp_serverapp, monkeypatch
+):
+    """A restart is something a person did, and while it runs there is no settled process
+    to freeze (the execution state and activity seen are the old process's)."""
+    from jupyter_cedana.provisioner import CedanaProvisioner
+
+    launching, go = asyncio.Event(), asyncio.Event()
+    launch = CedanaProvisioner.launch_kernel
+
+    async def held_launch(self: Any, cmd: list[str], **kwargs: Any) -> Any:
+        launching.set()
+        await go.wait()
+        return await launch(self, cmd, **kwargs)
+
+    kid = await new_kernel()
+    m = manager(jp_serverapp)
+    await m.stop()
+    assert (await api("POST", "kernels", kid, "suspend"))[0] == 200  # its image is discarded
+    before = dt.datetime.now(dt.timezone.utc)
+    monkeypatch.setattr(CedanaProvisioner, "launch_kernel", held_launch)
+    restart = asyncio.ensure_future(
+        jp_fetch("api", "kernels", kid, "restart", method="POST", body="")
+    )
+    await asyncio.wait_for(launching.wait(), 120)  # the old process is gone, the new not up
+    # What the torture run met: the old process's state (idle, long idle) still shown.
+    idle_for_hours(jp_serverapp, kid)
+    jp_serverapp.kernel_manager.get_kernel(kid).execution_state = "idle"
+    await m.check()
+    assert not m.transition_pending(kid) and state(jp_serverapp, kid) == "running"
+    go.set()
+    assert (await restart).code == 200
+    assert jp_serverapp.kernel_manager.get_kernel(kid).last_activity >= before
+    await m.check()
+    assert not m.transition_pending(kid) and state(jp_serverapp, kid) == "running"
