@@ -13,11 +13,12 @@ from tornado import web
 from traitlets import Bool, Unicode
 
 from .engine import CheckpointEngine
-from .gate import KERNEL_ACTIONS, GatedWebsocketConnection, MessageGate
+from .gate import KERNEL_ACTIONS, MessageGate
 from .handlers import handlers
 from .manager import EVENT_SCHEMA_FILE, SuspendManager
 from .parking import KernelParking
 from .policy import SuspendPolicy
+from .websocket import GatedWebsocketConnection
 
 
 class CedanaApp(ExtensionApp):

@@ -369,10 +369,9 @@ async def test_a_held_cell_waits_for_stdin_to_reconnect(
     """After a restore each client socket reconnects on its own; the kernel's input
     request to a stdin socket not yet back is dropped by ZMQ, so the gate delivers a held
     cell only once stdin is connected. Here the test keeps it away until it lets it go."""
-    from jupyter_cedana import gate as gate_module
-    from jupyter_cedana import links
+    from jupyter_cedana import links, websocket
 
-    monkeypatch.setattr(gate_module, "STDIN_RECONNECT_TIMEOUT", 600.0)
+    monkeypatch.setattr(websocket, "STDIN_RECONNECT_TIMEOUT", 600.0)
     kid = await new_kernel()
     client = await connect(kid)
     await client.run("greeting = 'hi'")
