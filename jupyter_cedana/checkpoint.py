@@ -18,7 +18,6 @@ from typing import Any
 from .errors import CheckpointCorrupt, InvalidId, NotFound
 from .integrity import (
     CHUNK_SIZE,
-    FollowingHasher,
     chunk_crcs,
     file_crc32,
     first_bad_chunk,
@@ -28,7 +27,7 @@ from .integrity import (
     write_table,
 )
 
-__all__ = ["CheckpointStore", "FollowingHasher", "file_crc32", "validate_kernel_id"]
+__all__ = ["CheckpointStore", "validate_kernel_id"]
 
 MANIFEST = "manifest.json"
 # 2: page files carry per-chunk CRC tables (lazy restore checks pages as it serves them);

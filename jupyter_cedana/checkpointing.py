@@ -169,23 +169,27 @@ class Checkpointing(Restoring):
         t_dumped = time.monotonic()
         try:
             self._set_progress("verify", None, None)
-            self._set_progress("verify", None, None)
-            manifest = await asyncio.to_thread(
-                store.commit,
-                kid,
-                tmp,
-                {
-                    "kernel_name": self._spec_name(),
-                    "criu_version": engine.probe().criu_version,
-                    "pidns": engine.pidns,
-                    "task_ids": [] if engine.pidns else task_ids(self.pid or 0),
-                    "ports": self._ports(),
-                    "gpu": gpu_state,
-                    "timings": {"dump_s": dumped.seconds, **dump_breakdown(tmp)},
-                    "zero_bytes": dumped.zero_bytes,
-                },
-                dumped.sums,
-            )
+            pid, ports, spec = self.pid or 0, self._ports(), self._spec_name()
+
+            def commit() -> dict[str, Any]:
+                # In a thread, /proc and image reads included: the kernel is frozen.
+                return store.commit(
+                    kid,
+                    tmp,
+                    {
+                        "kernel_name": spec,
+                        "criu_version": engine.probe().criu_version,
+                        "pidns": engine.pidns,
+                        "task_ids": [] if engine.pidns else task_ids(pid),
+                        "ports": ports,
+                        "gpu": gpu_state,
+                        "timings": {"dump_s": dumped.seconds, **dump_breakdown(tmp)},
+                        "zero_bytes": dumped.zero_bytes,
+                    },
+                    dumped.sums,
+                )
+
+            manifest = await asyncio.to_thread(commit)
         except BaseException as e:
             await self._undo_dump(e, tmp, pids, gpu, gpu_state if not from_offload else None)
             raise SuspendFailed(f"Suspend of kernel {kid} failed: {e}") from e

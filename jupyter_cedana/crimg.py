@@ -148,7 +148,10 @@ def pagemap(images: Path, pid: int) -> list[PageRun]:
     runs = []
     offset = 0
     for rec in recs[1:]:
-        vaddr, pages, flags = _pagemap_entry(rec)
+        try:
+            vaddr, pages, flags = _pagemap_entry(rec)
+        except IndexError:  # a varint running past its record
+            raise ImageError("truncated pagemap entry") from None
         runs.append(PageRun(vaddr, pages, flags, offset, pages_file))
         if flags & PE_PRESENT:
             offset += pages * PAGE_SIZE

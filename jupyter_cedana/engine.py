@@ -521,7 +521,7 @@ class CheckpointEngine(SingletonConfigurable):
                     f"CRIU restore failed (exit {rc}): {criu_errors(work / 'restore.log')}"
                 )
             if time.monotonic() - t0 > self.restore_timeout:
-                kill_restore(proc)
+                # The caller kills it (kill_restore, in a thread: it waits for CRIU).
                 raise ResumeFailed(f"CRIU restore took longer than {self.restore_timeout:.0f} s")
             await asyncio.sleep(0.02)
 

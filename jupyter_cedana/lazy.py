@@ -156,7 +156,6 @@ class PageServer:
         self.log = log
         self.bytes_done = 0
         self.started = time.monotonic()
-        self.finished_at: float | None = None
         self.done: asyncio.Future[float] = asyncio.get_running_loop().create_future()
         self._proc: asyncio.subprocess.Process | None = None
         self._holder: socket.socket | None = None
@@ -236,7 +235,6 @@ class PageServer:
         except asyncio.CancelledError:
             raise
         if rc == 0 and self._error is None:
-            self.finished_at = time.monotonic()
             self._settle(None)
         else:
             left = self.plan.lazy_bytes - self.bytes_done

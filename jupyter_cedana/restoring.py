@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 import shutil
 import signal
@@ -32,14 +33,12 @@ from .errors import (
 from .gpu_steps import GpuSteps
 from .integrity import is_page_file
 from .pids import check_free
-from .proctree import process_tree
+from .proctree import process_tree, stat_fields
 from .transitions import KernelState
 
 
 class Restoring(GpuSteps):
     """resume() of the provisioner's kernel, and the parts suspend() shares."""
-
-    """suspend() / resume() of the provisioner's kernel."""
 
     kernel_id: Any
     pid: int | None
@@ -59,14 +58,11 @@ class Restoring(GpuSteps):
     image_guard: Callable[[str, int], None] | None = None
     _loading: asyncio.Future[None] | None = None  # a lazy restore's pages coming in
 
-    @property
+    @functools.cached_property
     def engine(self) -> CheckpointEngine:
         # Taken once: a kernel's images stay in the root it started with, even if the
         # process-wide engine is replaced later (tests do; parking reads the first one).
-        engine: CheckpointEngine | None = self.__dict__.get("_engine")
-        if engine is None:
-            engine = self.__dict__["_engine"] = CheckpointEngine.instance(parent=self.parent)
-        return engine
+        return CheckpointEngine.instance(parent=self.parent)
 
     @property
     def kernel_id_str(self) -> str:
@@ -196,7 +192,9 @@ class Restoring(GpuSteps):
             work = store.work_dir(kid)
             pidfile = work / "restored.pid"
             pidfile.unlink(missing_ok=True)
-            if self._restores_lazily(manifest, gpu_state):
+            # The first time, this runs `criu check`: not on the event loop.
+            lazy_off = await asyncio.to_thread(engine.lazy_unsupported)
+            if self._restores_lazily(manifest, gpu_state, lazy_off):
                 lazy_plan = await asyncio.to_thread(
                     lazy.check_before_restore, store, kid, manifest, work
                 )
@@ -274,12 +272,13 @@ class Restoring(GpuSteps):
         self.log.info("Resumed kernel %s in %.2f s (pid %s)", kid, self.last_resume_seconds, pid)
         return self.summary()
 
-    def _restores_lazily(self, manifest: dict[str, Any], gpu_state: Any) -> bool:
+    @staticmethod
+    def _restores_lazily(manifest: dict[str, Any], gpu_state: Any, lazy_off: str | None) -> bool:
         # GPU checkpoints: the CUDA restore reads the process's memory right away, and
         # has not been checked against pages served by userfaultfd.
         page_files = [m for n, m in manifest["files"].items() if is_page_file(n)]
         chunked = bool(page_files) and all("chunks" in m for m in page_files)
-        return chunked and not gpu_state and self.engine.lazy_unsupported() is None
+        return chunked and not gpu_state and lazy_off is None
 
     def _discard_image_later(self) -> None:
         # The kernel runs already; gigabytes of deletion need not delay its first output.
@@ -401,11 +400,8 @@ class Restoring(GpuSteps):
 
 
 def _proc_state(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return "?"
+    fields = stat_fields(pid)
+    return fields[0] if fields else "?"
 
 
 async def _gone(pids: set[int], timeout: float = 5.0) -> None:
