@@ -91,6 +91,10 @@ class CedanaApp(ExtensionApp):
             event_logger=event_logger,
         )
         self.settings["cedana_manager"] = self.manager
+        if event_logger is not None:  # a restart is activity, with or without the gate
+            event_logger.add_listener(
+                schema_id=KERNEL_ACTIONS, listener=self.manager.on_kernel_action
+            )
         self.parking = KernelParking(parent=self.serverapp, manager=self.manager)
         self.parking.install(self._server)
         if self.transparent_resume:

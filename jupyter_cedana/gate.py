@@ -18,7 +18,6 @@ import weakref
 from collections.abc import Awaitable
 from typing import Any
 
-from jupyter_server._tz import utcnow
 from jupyter_server.services.kernels.connection.channels import ZMQChannelsWebsocketConnection
 
 from .errors import CedanaError
@@ -32,13 +31,6 @@ DELIVERY_GRACE_SECONDS = 30.0
 Held = tuple[GatedWebsocketConnection, Message]
 # Kernel messages the reply cache learns from.
 _CACHED = frozenset({"kernel_info_reply", "comm_info_reply", "comm_open", "comm_close"})
-
-
-def touch(kernel_manager: Any, kernel_id: str) -> None:
-    """Record activity a person caused (e.g. a resume): the idle countdown starts again."""
-    with contextlib.suppress(KeyError):
-        kernel_manager.get_kernel(kernel_id).last_activity = now = utcnow()
-        kernel_manager.last_kernel_activity = now
 
 
 class MessageGate:
@@ -163,8 +155,6 @@ class MessageGate:
         if data.get("action") == "shutdown":
             self._held.pop(kid, None)
             self._wake.discard(kid)
-        if data.get("action") == "restart":
-            touch(self.kernel_manager, kid)  # a person restarted it: not idle since
         if data.get("action") in ("start", "restart"):
             self.watch(kid)
             self._background(self.refresh(kid))
@@ -271,8 +261,6 @@ class MessageGate:
             self._status(kid, "busy")
             while True:
                 await self.manager.ensure_running(kid)
-                if kid in self._wake:
-                    touch(self.kernel_manager, kid)
                 # A client still connecting has its IOPub checked by its own nudge.
                 connecting: Any = self._connecting.get(kid) or {}
                 conns = [c for c in self.connections(kid) if c not in connecting]

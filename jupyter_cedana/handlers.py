@@ -14,7 +14,6 @@ from tornado import web
 
 from .checkpoint import validate_kernel_id
 from .errors import BadRequest, CedanaError
-from .gate import touch
 from .manager import SuspendManager
 
 _ID = r"(?P<kernel_id>[^/]+)"
@@ -102,8 +101,6 @@ class TransitionHandler(CedanaHandler):
                 view, done = await self.manager.suspend(kernel_id, tier=tier, wait=wait)
             else:
                 view, done = await self.manager.resume(kernel_id, wait=wait)
-                # A person asked for the kernel: its idle countdown starts again.
-                touch(self.kernel_manager, kernel_id)
         except CedanaError as e:
             self.fail(e)
             return

@@ -13,6 +13,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
+from jupyter_server._tz import utcnow
 from traitlets import Any as AnyTrait
 from traitlets import Instance, default
 from traitlets.config import LoggingConfigurable
@@ -80,6 +81,8 @@ class SuspendManager(LoggingConfigurable):
         self.events = KernelEvents(self.log, lambda: self.event_logger)
         self._image_owners: list[Callable[[], Iterable[str]]] = []
         self._suspend_guards: list[Any] = []
+        # Every resume is something a person did (a cell, Resume): not idle since.
+        self.on_resumed(lambda kid: touch(self.kernel_manager, kid))
         self.queue = TransitionQueue(self.limits)
         self.budget = Budget(
             store=lambda: self.engine.store,
@@ -87,6 +90,11 @@ class SuspendManager(LoggingConfigurable):
             min_free=lambda: self.limits.min_free_disk_bytes,
             owners=self.owned_image_ids,
         )
+
+    async def on_kernel_action(self, logger: Any, schema_id: str, data: dict[str, Any]) -> None:
+        """jupyter_server's kernel action events: a restart is something a person did."""
+        if data.get("action") == "restart" and data.get("status") == "success":
+            touch(self.kernel_manager, str(data.get("kernel_id")))
 
     def on_resumed(self, callback: Any) -> None:
         """callback(kernel_id) after every successful resume, whoever asked for it."""
@@ -364,6 +372,7 @@ class SuspendManager(LoggingConfigurable):
         return (
             decision.action == tier
             and not self._guarded(kernel_id)
+            and not _between(kernel)
             and self.backoff.blocking(kernel_id, self._last_activity(kernel_id)) is None
         )
 
@@ -472,7 +481,7 @@ class SuspendManager(LoggingConfigurable):
                 freed += prov.gpu_memory_freed
                 metrics.GPU_SECONDS_RECLAIMED.inc(self._gpus_before_suspend.get(kid, 0) * elapsed)
             decision = self.policy.decide(self._facts(kid, kernel))
-            if decision.action is None or any(k.startswith(kid) for k in self._tasks):
+            if decision.action is None or self.transition_pending(kid):
                 continue
             if decision.action != "shutdown" and (self._guarded(kid) or _between(kernel)):
                 continue
@@ -539,6 +548,13 @@ class SuspendManager(LoggingConfigurable):
 
     def _emit(self, kernel_id: str, action: str, state: str, tier: str | None, **kw: Any) -> None:
         self.events.emit(kernel_id, action, state, tier, **kw)
+
+
+def touch(kernel_manager: Any, kernel_id: str) -> None:
+    """Record activity a person caused: the idle countdown starts again."""
+    with contextlib.suppress(KeyError):
+        kernel_manager.get_kernel(kernel_id).last_activity = now = utcnow()
+        kernel_manager.last_kernel_activity = now
 
 
 def _between(kernel: Any) -> bool:
