@@ -48,24 +48,14 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchlib import plain_write_fsync  # noqa: E402
+from benchlib import GB, can_drop_caches, drop_caches, plain_write_fsync  # noqa: E402
 
 from tests.test_cli import Server, start_server, stop_server, wait_ready  # noqa: E402
 from tests.test_parking import execute, listed  # noqa: E402
 
-GB = 1e9
 IDLE_KERNEL_GB = 0.065  # an idle kernel with numpy imported
 DEADLINES = {"kube 1 s": 1.0, "docker 10 s": 10.0, "default 20 s": 20.0, "local 30 s": 30.0}
 PARKED_RE = re.compile(r"parked (\d+) of (\d+) kernel\(s\) in ([0-9.]+) s")
-
-
-def drop_caches() -> bool:
-    os.sync()
-    try:
-        Path("/proc/sys/vm/drop_caches").write_text("3\n")
-    except OSError:
-        return False
-    return True
 
 
 def write_fsync(directory: Path, nbytes: int) -> float:
@@ -115,7 +105,9 @@ def one(work: Path, size_gb: float, n: int, concurrency: int) -> dict[str, Any]:
 
     write_s = write_fsync(root, image_bytes)
 
-    cold = drop_caches()
+    cold = can_drop_caches()
+    if cold:
+        drop_caches()
     b, adopt_start_s = timed_start(work / "b", root, "--KernelParking.park_on_stop=False")
     try:
         assert listed(b) == set(kids)

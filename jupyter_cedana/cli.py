@@ -19,9 +19,7 @@ import json
 import re
 import shutil
 import sys
-import urllib.error
 import urllib.parse
-import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn

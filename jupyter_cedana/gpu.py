@@ -24,7 +24,7 @@ from typing import Any
 from traitlets import Bool, Float, Unicode
 from traitlets.config import LoggingConfigurable
 
-from .proctree import gpu_minor, nspids, open_device_files
+from .proctree import gpu_minor, nspids, open_device_files, stat_fields
 
 
 @dataclass
@@ -507,11 +507,8 @@ class GpuMonitor(LoggingConfigurable):
 
 def _start_time(pid: int) -> str | None:
     """Field 22 of /proc/PID/stat: tells a process from a later one with the same pid."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
-        return None
+    fields = stat_fields(pid)
+    return fields[19] if len(fields) > 19 else None
 
 
 def _text(v: Any) -> str:

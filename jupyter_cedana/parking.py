@@ -33,13 +33,12 @@ from .errors import CedanaError, Conflict, SuspendFailed
 from .parkrecords import (
     RECORD_FORMAT,
     ParkingLock,
-    parked_kernel_ids,
     wait_for_parkers,
     write_record,
 )
 from .provisioner import CedanaProvisioner, KernelState
 
-__all__ = ["KernelParking", "parked_kernel_ids"]
+__all__ = ["KernelParking"]
 
 
 class KernelParking(LoggingConfigurable):
@@ -235,7 +234,7 @@ class KernelParking(LoggingConfigurable):
         lock = ParkingLock(self._store)
         try:
             sessions = await self._sessions_by_kernel()
-            candidates.sort(key=lambda c: _dump_cost(c[2]))
+            candidates.sort(key=lambda c: self._dump_cost(c[0], c[2]))
             slots = asyncio.Semaphore(max(1, self.concurrency))
             recording: set[str] = set()
             tasks = {
@@ -323,6 +322,12 @@ class KernelParking(LoggingConfigurable):
         )
         return "parked"
 
+    def _dump_cost(self, kid: str, prov: CedanaProvisioner) -> int:
+        """Bytes a kernel's parking must write: none for an image already on disk."""
+        if self._on_disk(kid, prov):
+            return 0
+        return tree_rss(prov.pid) if prov.pid else 0
+
     def _on_disk(self, kid: str, prov: CedanaProvisioner) -> bool:
         """Whether the kernel's whole state is in a committed image, with no process (a
         failed resume keeps its image: it is parked as it is)."""
@@ -382,10 +387,3 @@ class KernelParking(LoggingConfigurable):
         with contextlib.suppress(Exception):
             km.cleanup_connection_file()
         prov._release_ports()
-
-
-def _dump_cost(prov: CedanaProvisioner) -> int:
-    """Bytes a kernel's parking must write: none for an image already on disk."""
-    if prov.state in (KernelState.suspended, KernelState.failed) and prov.tier != "offload":
-        return 0
-    return tree_rss(prov.pid) if prov.pid else 0

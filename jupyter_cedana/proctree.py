@@ -41,18 +41,24 @@ def _children_from_task_files(pid: int) -> list[int] | None:
     return kids
 
 
+def stat_fields(pid: int | str) -> list[str]:
+    """The fields of /proc/PID/stat after the command name, from field 3 (the state) on;
+    empty if the process is gone. The name may hold spaces and parens: split after the
+    last ')'."""
+    try:
+        stat = (PROC / str(pid) / "stat").read_text()
+    except OSError:
+        return []
+    return stat[stat.rfind(")") + 2 :].split()
+
+
 def _ppid_map() -> dict[int, list[int]]:
     """parent pid -> children, by scanning every /proc/PID/stat."""
     children: dict[int, list[int]] = {}
     for entry in os.listdir(PROC):
         if not entry.isdigit():
             continue
-        try:
-            stat = (PROC / entry / "stat").read_text()
-        except OSError:
-            continue
-        # the command name (field 2) may contain spaces and parens: split after the last ')'
-        fields = stat[stat.rfind(")") + 2 :].split()
+        fields = stat_fields(entry)
         if len(fields) > 1:
             children.setdefault(int(fields[1]), []).append(int(entry))
     return children

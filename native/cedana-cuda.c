@@ -437,12 +437,7 @@ static int wait_stop(int tid)
 static cc_result thaw(int pid, struct thawed *t)
 {
 	memset(t, 0, sizeof(*t));
-	cc_result r = cuda_setup();
-	if (r != CC_SUCCESS)
-		return r;
-	if (!cu.restore_tid)
-		return CC_HELPER_NO_SYMBOL;
-	r = cu.restore_tid(pid, &t->tid);
+	cc_result r = op_restore_tid(pid, &t->tid);
 	if (r != CC_SUCCESS)
 		return r;
 	/* CRIU may not have detached from every thread yet: EPERM until it has. */
