@@ -55,6 +55,11 @@ def take_pid(pid: int, attempts: int = 200) -> subprocess.Popen[bytes]:
             f.flush()
             p = subprocess.Popen(["sleep", "600"])
         if p.pid == pid:
+            # Popen returns once exec has closed its error pipe, which the kernel does
+            # just before it renames the task: wait for the name the test looks for.
+            comm = Path(f"/proc/{pid}/comm")
+            while comm.read_text().strip() != "sleep":
+                os.sched_yield()
             return p
         p.kill()
         p.wait()
