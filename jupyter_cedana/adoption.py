@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import os
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
@@ -33,6 +32,7 @@ from .parkrecords import (
     parse_record,
     remove_record,
 )
+from .policy import retention_ended
 from .transitions import KernelState
 
 PROVISIONER = "cedana-provisioner"
@@ -49,7 +49,7 @@ class _Plan:
 _PLANS: dict[str, _Plan] = {}
 
 
-def claim_adoption(prov: Any) -> KernelConnectionInfo | None:
+async def claim_adoption(prov: Any) -> KernelConnectionInfo | None:
     """For the provisioner's launch_kernel: the connection info of a parked kernel being
     adopted under this id (the provisioner then holds it suspended), or None (launch)."""
     plan = _PLANS.get(str(prov.kernel_id))
@@ -61,19 +61,34 @@ def claim_adoption(prov: Any) -> KernelConnectionInfo | None:
     # jupyter_client compares the key as bytes with the one it holds.
     info["key"] = str(info.get("key", "")).encode()
     saved = record.get("provisioner") or {}
-    prov.connection_info = info
+    # What the parking server's get_provisioner_info saved, as a suspended kernel on disk
+    # without a process: the provisioner's own inverse restores it (and holds its ports).
+    await prov.load_provisioner_info(
+        {
+            **saved,
+            "kernel_id": prov.kernel_id,
+            "connection_info": info,
+            "pid": None,
+            "pgid": None,
+            "ip": info.get("ip") or saved.get("ip"),
+            "cedana_state": KernelState.suspended.value,
+            "cedana_tier": "disk",
+            "cedana_reason": None,
+            "cedana_suspended_at": suspended_since(record),
+            "cedana_checkpoint_bytes": int(manifest.get("total_bytes") or 0),
+        }
+    )
     prov.process = None
-    prov.pid = None
-    prov.pgid = None
     prov.cwd = record.get("cwd") or os.getcwd()
-    prov.state = KernelState.suspended
-    prov.tier = "disk"
-    prov.reason = None
-    prov.suspended_at = saved.get("cedana_suspended_at") or record.get("parked_at")
-    prov.checkpoint_bytes = int(manifest.get("total_bytes") or 0)
     prov._gpu_state = manifest.get("gpu")
-    prov._reserve_ports()
     return cast(KernelConnectionInfo, info)
+
+
+def suspended_since(record: dict[str, Any]) -> float | None:
+    """When a parked kernel was suspended (its image made), for idle time and retention."""
+    saved = record.get("provisioner") or {}
+    since = saved.get("cedana_suspended_at") or record.get("parked_at")
+    return float(since) if since is not None else None
 
 
 @dataclass
@@ -114,7 +129,7 @@ class Adopter:
                 return await self._adopt_path(path)
 
         paths = list_records(self.store)
-        self._plan_verification([p.name[: -len(".json")] for p in paths])
+        self._plan_verification([p.name[: -len(".json")] for p in paths if self._candidate(p)])
         report = AdoptionReport()
         for path, why in zip(paths, await asyncio.gather(*map(adopt, paths)), strict=True):
             kid = path.name[: -len(".json")]
@@ -123,6 +138,17 @@ class Adopter:
             else:
                 report.skipped[kid] = why
         return report
+
+    def _candidate(self, path: Path) -> bool:
+        """Whether a record looks adoptable, read without its lock, so that the checksum
+        budget goes to images this server may adopt (each is checked again, locked)."""
+        try:
+            record = parse_record(path, path.read_text())
+        except (OSError, RecordInvalid):
+            return False
+        return self._foreign(record) is None and not retention_ended(
+            self.retention, suspended_since(record)
+        )
 
     def _plan_verification(self, kids: list[str]) -> None:
         """Which images get their checksums verified before adoption: the smallest, up to
@@ -172,9 +198,7 @@ class Adopter:
             return self._skip(kid, f"{why}; left in place", level="info")
         if kid in self.mkm:
             return self._skip(kid, "a kernel with this id is already running here")
-        saved = record.get("provisioner") or {}
-        since = saved.get("cedana_suspended_at") or record.get("parked_at") or time.time()
-        if self.retention > 0 and time.time() - float(since) > self.retention:
+        if retention_ended(self.retention, suspended_since(record)):
             self.store.remove(kid)
             remove_record(path)
             return self._skip(

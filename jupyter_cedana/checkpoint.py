@@ -57,12 +57,26 @@ def fsync_path(path: Path, directory: bool = False) -> None:
         os.close(fd)
 
 
-def _write_durably(path: Path, manifest: dict[str, Any]) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+def _write_durably(path: Path, data: dict[str, Any], flags: int = os.O_TRUNC) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | flags, 0o600)
     with os.fdopen(fd, "w") as f:
-        json.dump(manifest, f, indent=1)
+        json.dump(data, f, indent=1)
         f.flush()
         os.fsync(f.fileno())
+
+
+def replace_json_durably(path: Path, data: dict[str, Any]) -> None:
+    """Write JSON under a temporary name, fsync it, rename it over `path` and fsync the
+    directory: readers see the old content or the new, whole, even after a crash."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{time.monotonic_ns()}")
+    try:
+        _write_durably(tmp, data, os.O_EXCL)
+        os.rename(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+    fsync_path(path.parent, directory=True)
 
 
 @dataclass
@@ -191,11 +205,7 @@ class CheckpointStore:
         return manifest
 
     def write_manifest(self, kernel_id: str, manifest: dict[str, Any]) -> None:
-        mpath = self.path(kernel_id) / MANIFEST
-        tmp = mpath.with_suffix(".tmp")
-        _write_durably(tmp, manifest)
-        os.rename(tmp, mpath)
-        fsync_path(mpath.parent, directory=True)
+        replace_json_durably(self.path(kernel_id) / MANIFEST, manifest)
 
     def check_sizes(self, kernel_id: str) -> dict[str, Any]:
         """The cheap half of verify(): every file there with its size. CRIU must never see

@@ -33,7 +33,7 @@ from .limits import (
     settled,
 )
 from .parkrecords import parked_kernel_ids
-from .policy import KernelFacts, SuspendPolicy
+from .policy import KernelFacts, SuspendPolicy, retention_ended
 from .proctree import process_tree
 from .provisioner import CedanaProvisioner, KernelState
 from .status import server_status
@@ -530,9 +530,9 @@ class SuspendManager(LoggingConfigurable):
             return True
         if prov is None or prov.state == KernelState.running:
             return True
-        if prov.state != KernelState.suspended or not prov.suspended_at:
-            return False
-        return self.policy.retention > 0 and time.time() - prov.suspended_at > self.policy.retention
+        return prov.state == KernelState.suspended and retention_ended(
+            self.policy.retention, prov.suspended_at
+        )
 
     # -- events ---------------------------------------------------------------------------
 

@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from .checkpoint import CheckpointStore, fsync_path, validate_kernel_id
+from .checkpoint import CheckpointStore, fsync_path, replace_json_durably, validate_kernel_id
 
 RECORDS = ".parked"
 RECORD_FORMAT = 1
@@ -51,31 +51,14 @@ def record_path(store: CheckpointStore, kernel_id: str) -> Path:
 def parked_kernel_ids(store: CheckpointStore) -> set[str]:
     """Ids of every kernel with a park record, readable or not: their images (and logs)
     belong to a parked kernel, not to nobody, and gc must keep them."""
-    d = records_dir(store)
-    if not d.is_dir():
-        return set()
-    return {m.group(1) for p in d.iterdir() if (m := _RECORD_RE.match(p.name))}
+    return {p.name[: -len(".json")] for p in list_records(store)}
 
 
 def write_record(store: CheckpointStore, record: dict[str, Any]) -> Path:
-    """Write a record under a temporary name, fsync it, rename it into place and fsync
-    the directory: readers see a whole record or none."""
+    """Write a record durably; readers see a whole record or none."""
     kid = validate_kernel_id(record["kernel_id"])
-    d = records_dir(store, create=True)
-    final = d / f"{kid}.json"
-    tmp = d / f".{kid}.json.tmp-{os.getpid()}-{time.monotonic_ns()}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(record, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        os.rename(tmp, final)
-        fsync_path(d, directory=True)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        raise
+    final = records_dir(store, create=True) / f"{kid}.json"
+    replace_json_durably(final, record)
     return final
 
 

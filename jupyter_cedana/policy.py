@@ -5,6 +5,7 @@ Pure decisions over a snapshot of a kernel, so they can be tested without a serv
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,6 +38,20 @@ class Decision:
     action: str | None  # "offload", "disk", "shutdown" or None
     reason: str | None  # why it cannot be suspended, or why it is being acted on
     due_in: float | None  # seconds until the next automatic action, if one is planned
+
+
+def retention_left(retention: float, suspended_seconds: float) -> float | None:
+    """Seconds a suspended kernel is still kept (<= 0: shut it down and delete its image);
+    None: kept until a user shuts it down. The one retention rule, for the policy, the
+    culler and adoption."""
+    return retention - suspended_seconds if retention > 0 else None
+
+
+def retention_ended(retention: float, suspended_at: float | None) -> bool:
+    if not suspended_at:
+        return False
+    left = retention_left(retention, time.time() - suspended_at)
+    return left is not None and left <= 0
 
 
 class SuspendPolicy(LoggingConfigurable):
@@ -139,8 +154,8 @@ class SuspendPolicy(LoggingConfigurable):
                 remaining = self.idle_timeout_for(facts) - facts.idle_seconds
                 if self.idle_timeout_for(facts) > 0 and remaining <= 0:
                     return Decision("disk", "offloaded kernel reached idle_timeout", None)
-            if self.retention > 0:
-                left = self.retention - facts.suspended_seconds
+            left = retention_left(self.retention, facts.suspended_seconds)
+            if left is not None:
                 if left <= 0:
                     return Decision("shutdown", "retention time of a suspended kernel ended", 0)
                 return Decision(None, None, left)

@@ -55,7 +55,7 @@ class CedanaProvisioner(Checkpointing, TransitionMachine, LocalProvisioner):  # 
     # -- launch ---------------------------------------------------------------------------
 
     async def launch_kernel(self, cmd: list[str], **kwargs: Any) -> KernelConnectionInfo:
-        adopted = claim_adoption(self)  # a kernel parked by an earlier server: no launch
+        adopted = await claim_adoption(self)  # a kernel parked by an earlier server: no launch
         if adopted is not None:
             return adopted
         engine = self.engine

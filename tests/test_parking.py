@@ -449,8 +449,11 @@ def test_invalid_records_are_not_adopted(tmp_path: Path, servers: list[Server]) 
         sessions=[{"id": str(uuid.uuid4()), "path": "lost.ipynb", "name": "lost.ipynb",
                    "type": "notebook"}],
     )  # fmt: skip
+    # Another user's image, smaller than the damaged one: it must not take the checksum
+    # budget (adopt_verify_bytes) that the damaged one needs to be refused at adoption.
+    plant_image(root, other_uid, os.urandom(40000))
     damaged = _plant_record(root, template)
-    pages = plant_image(root, damaged, os.urandom(8192)) / "pages-1.img"
+    pages = plant_image(root, damaged, os.urandom(65536)) / "pages-1.img"
     with open(pages, "r+b") as f:
         f.seek(100)
         byte = f.read(1)
