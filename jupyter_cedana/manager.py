@@ -10,7 +10,7 @@ import asyncio
 import contextlib
 import datetime as dt
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from jupyter_server._tz import utcnow
@@ -79,7 +79,6 @@ class SuspendManager(LoggingConfigurable):
         self._loop_task: asyncio.Task[None] | None = None
         self._last_tick = time.monotonic()
         self.events = KernelEvents(self.log, lambda: self.event_logger)
-        self._image_owners: list[Callable[[], Iterable[str]]] = []
         self._suspend_guards: list[Any] = []
         # Every resume is something a person did (a cell, Resume): not idle since.
         self.on_resumed(lambda kid: touch(self.kernel_manager, kid))
@@ -100,19 +99,11 @@ class SuspendManager(LoggingConfigurable):
         """callback(kernel_id) after every successful resume, whoever asked for it."""
         self.events.resume_listeners.append(callback)
 
-    def add_image_owner(self, owner: Callable[[], Iterable[str]]) -> None:
-        """owner() names kernels whose images are owned though they are not kernels of
-        this server (e.g. parked kernels): their images count against the checkpoint
-        budget and are not reported as orphaned."""
-        self._image_owners.append(owner)
-
     def owned_image_ids(self) -> set[str]:
         """Kernels whose images are someone's: this server's, and parked ones."""
         km = self.kernel_manager
         owned = set(km.list_kernel_ids()) if km is not None else set()
         owned |= parked_kernel_ids(self.engine.store)
-        for owner in self._image_owners:
-            owned.update(owner())
         return owned
 
     def add_suspend_guard(self, guard: Any) -> None:

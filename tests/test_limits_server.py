@@ -318,15 +318,6 @@ async def test_orphaned_images_are_reported_at_start(api, server_log, orphan, ch
     assert st["budget"]["used"] == 0
 
 
-async def test_image_owners_hook_counts_parked_images(api, jp_serverapp, orphan, checkpoint_root):
-    mgr = manager(jp_serverapp)
-    mgr.add_image_owner(lambda: {orphan})
-    _, st = await api("GET", "status")
-    assert st["budget"]["orphaned_images"] == 0 and st["budget"]["used"] == orphan_bytes(
-        checkpoint_root, orphan
-    )
-
-
 async def test_parked_images_are_owned(api, checkpoint_root, orphan):
     records = checkpoint_root / ".parked"
     records.mkdir(mode=0o700)
