@@ -58,6 +58,9 @@ PASSIVE = frozenset(
 # How long a kernel about to be frozen may take to say what it is; it answers on its
 # control channel, even while it runs a cell.
 ASK_BEFORE_SUSPEND_SECONDS = 10.0
+# The same for a kernel already known, whose comm list is only refreshed: a kernel busy in
+# code that holds the GIL keeps its suspend waiting no longer than this.
+ASK_KNOWN_SECONDS = 2.0
 # The parts of the kernel's reply header that the server's answers in its name carry.
 _HEADER_KEYS = ("session", "username", "version")
 
@@ -204,19 +207,21 @@ class ReplyCache:
                 stream.close()
 
     async def before_suspend(self, prov: Any) -> None:
-        """A suspend hook (the kernel still runs): ask a kernel the cache has not heard from
-        yet, so that it has an answer for its clients while it is suspended."""
+        """A suspend hook (the kernel still runs): ask the kernel what it is and which
+        comms it has, so that its clients are answered right while it is suspended. Comms
+        opened or closed while no client was connected (so the gate saw nothing) count;
+        a kernel that does not answer in time is known by what it said before."""
         kid = str(prov.kernel_id)
-        if self.knows(kid):
-            return
+        known = self.knows(kid)
+        timeout = ASK_KNOWN_SECONDS if known else ASK_BEFORE_SUSPEND_SECONDS
         with contextlib.suppress(asyncio.TimeoutError):
-            await self.ask(kid, prov.parent, ASK_BEFORE_SUSPEND_SECONDS)
+            await self.ask(kid, prov.parent, timeout)
         if not self.knows(kid):
             prov.log.warning(
                 "Kernel %s did not answer kernel_info within %.1f s before its suspend: "
                 "the first client to reconnect will resume it",
                 kid,
-                ASK_BEFORE_SUSPEND_SECONDS,
+                timeout,
             )
 
     # -- what outlives the server ---------------------------------------------------------

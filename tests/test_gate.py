@@ -28,6 +28,7 @@ from jupyter_cedana.manager import EVENT_SCHEMA
 from jupyter_cedana.proctree import process_tree
 
 from . import test_server as server
+from .conftest import run
 
 # The server fixtures of test_server (pytest finds fixtures by module attribute).
 api, new_kernel, started, manager = server.api, server.new_kernel, server.started, server.manager
@@ -350,6 +351,38 @@ async def test_widget_traffic_answered_held_or_woken(api, new_kernel, connect, j
     req = lab.send("comm_open", {"comm_id": echo, "target_name": "cedana.echo", "data": {"a": 1}})
     said = await lab.about(req, lambda ms: any(m["msg_type"] == "comm_msg" for m in ms))
     assert said[-1]["content"]["data"] == {"opened": {"a": 1}}
+
+
+async def test_comms_changed_while_no_client_was_connected(api, new_kernel, connect, jp_serverapp):
+    """A reconnecting client is told the comms the kernel has at its suspend, also those
+    opened or closed while no websocket was connected (a cell that finished while the
+    laptop slept): the gate saw none of that traffic."""
+    kid = await new_kernel()
+    first = await connect(kid)
+    got = await first.answer(first.execute(WIDGETS))
+    old = next(m for m in got["msgs"] if m["msg_type"] == "comm_open")["content"]["comm_id"]
+    first.ws.close()
+    await until(lambda: not gate(jp_serverapp).connections(kid), "the websocket to close")
+
+    # Another client of the kernel, beside the server's websockets.
+    kc = jp_serverapp.kernel_manager.get_kernel(kid).client()
+    kc.start_channels()
+    try:
+        await kc.wait_for_ready(timeout=60)
+        code = "widget.close()\nlater = create_comm(target_name='cedana.widget')\n"
+        reply, printed = await run(kc, code + "print(later.comm_id)")
+        assert reply["status"] == "ok", reply
+    finally:
+        kc.stop_channels()
+    new = printed.strip()
+    await api("POST", "kernels", kid, "suspend")
+
+    lab = await connect(kid)
+    query = lab.send("comm_info_request", {"target_name": "cedana.widget"})
+    listed = (await lab.answer(query))["reply"]["content"]["comms"]
+    assert listed == {new: {"target_name": "cedana.widget"}}, (old, listed)
+    _, k = await api("GET", "kernels", kid)
+    assert k["state"] == "suspended"
 
 
 async def test_input_in_a_cell_sent_to_a_suspended_kernel(api, new_kernel, connect):
