@@ -245,6 +245,12 @@ async def test_cancelled_restore_keeps_the_kernel_suspended(
 # -- what every kernel client relies on ----------------------------------------------------
 
 
+def _pid_in_namespace(pid: int) -> int:
+    """The PID a process has in its own (innermost) PID namespace."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(next(ln for ln in status.splitlines() if ln.startswith("NSpid:")).split()[-1])
+
+
 async def test_shutdown_request_is_answered_and_ends_the_kernels_children(kernel) -> None:
     """ipykernel ends its children before it exits; in a PID namespace it must find the
     real ones (not the host's kernel threads, nor its own threads) and still reply."""
@@ -253,9 +259,10 @@ async def test_shutdown_request_is_answered_and_ends_the_kernels_children(kernel
         kc, "import subprocess; child = subprocess.Popen(['sleep', '1000']); print(child.pid)"
     )
     assert reply["status"] == "ok", out
-    # By the PID it printed: a child's /proc cmdline is set late in its exec.
-    sleeper = {int(out)}
-    assert sleeper <= kernel_pids(kernel)
+    # By the PID it printed, in the kernel's PID namespace (a child's /proc cmdline is set
+    # late in its exec, so it may not say "sleep" yet).
+    sleeper = {p for p in kernel_pids(kernel) if _pid_in_namespace(p) == int(out)}
+    assert len(sleeper) == 1
     answer = await kc.shutdown(reply=True, timeout=60)
     assert answer["msg_type"] == "shutdown_reply" and answer["content"]["status"] == "ok"
     assert await gone(sleeper) == set()
