@@ -4,6 +4,7 @@ events and metrics into the running server."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from typing import Any
 
 from jupyter_client.provisioning import KernelProvisionerFactory
@@ -51,6 +52,7 @@ class CedanaApp(ExtensionApp):
     manager: SuspendManager | None = None
     parking: KernelParking | None = None
     _stopping: asyncio.Future[None] | None = None
+    _warm_up: asyncio.Future[None] | None = None
 
     @property
     def _server(self) -> Any:
@@ -171,6 +173,7 @@ class CedanaApp(ExtensionApp):
                 await self.parking.adopt()
             await self.manager.engine.cuda_checkpointer()
             self.manager.start()
+            self._warm_up = asyncio.ensure_future(self.manager.engine.warm_up())
 
     async def stop_extension(self) -> None:
         # Runs before the server shuts its kernels down; a second stop waits for the first.
@@ -188,4 +191,7 @@ class CedanaApp(ExtensionApp):
         if self.parking is not None:
             await self.parking.park_all()
         await loop_stopped
+        if self._warm_up is not None:
+            with contextlib.suppress(Exception):
+                await self._warm_up
         await self.manager.engine.close()

@@ -13,6 +13,7 @@ import re
 import shutil
 import signal
 import subprocess
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -208,6 +209,7 @@ class CheckpointEngine(SingletonConfigurable):
     _info: EngineInfo | None = None
     _lazy_reason: str | None = None
     _lazy_probed = False
+    _lazy_lock = threading.Lock()  # the server's warm-up and a first resume may race
     _store: CheckpointStore | None = None
     _monitor: Any = None
     _cuda: Any = None
@@ -290,17 +292,29 @@ class CheckpointEngine(SingletonConfigurable):
         """Why a lazy restore cannot be used here (None: it can); probed once."""
         if not self.lazy_restore:
             return "CheckpointEngine.lazy_restore is off"
-        if not self._lazy_probed:
-            from .lazy import unsupported_reason
+        with self._lazy_lock:
+            if not self._lazy_probed:
+                from .lazy import ProbeFailed, unsupported_reason
 
-            info = self.require()
-            self._lazy_reason = unsupported_reason(
-                info.criu_path or "criu", os.geteuid() != 0, self.pages_binary()
-            )
-            self._lazy_probed = True
-            if self._lazy_reason:
-                self.log.warning("Restoring kernels whole: %s", self._lazy_reason)
+                info = self.require()
+                try:
+                    self._lazy_reason = unsupported_reason(
+                        info.criu_path or "criu", os.geteuid() != 0, self.pages_binary()
+                    )
+                except ProbeFailed as e:  # this restore goes whole; the next one asks again
+                    self.log.warning("Restoring a kernel whole: %s", e)
+                    return str(e)
+                self._lazy_probed = True
+                if self._lazy_reason:
+                    self.log.warning("Restoring kernels whole: %s", self._lazy_reason)
         return self._lazy_reason
+
+    async def warm_up(self) -> None:
+        """Probe now what the first resume would otherwise probe (a `criu check` of a few
+        tenths of a second, on the path to that kernel's first output)."""
+        if self.probe().available and self.lazy_restore:
+            with contextlib.suppress(EngineUnavailable):
+                await asyncio.to_thread(self.lazy_unsupported)
 
     @property
     def pidns(self) -> bool:

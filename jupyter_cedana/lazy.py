@@ -44,8 +44,12 @@ class KernelExited(Exception):
     """Every process of the kernel ended before all its memory was loaded."""
 
 
+class ProbeFailed(Exception):
+    """The probe itself failed (CRIU could not run, or timed out): ask again next time."""
+
+
 def unsupported_reason(criu: str, unprivileged: bool, pages: str) -> str | None:
-    """Why lazy restore cannot work here (None: it can)."""
+    """Why lazy restore cannot work here (None: it can); ProbeFailed if it can't tell."""
     if not os.access(pages, os.X_OK):
         return f"{pages} is missing"
     cmd = [criu, "check", "--feature", "uffd-noncoop"]
@@ -54,7 +58,7 @@ def unsupported_reason(criu: str, unprivileged: bool, pages: str) -> str | None:
     try:
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.SubprocessError) as e:
-        return f"criu check failed: {e}"
+        raise ProbeFailed(f"criu check failed: {e}") from e
     text = (out.stdout + out.stderr).strip()
     if out.returncode != 0 or "is supported" not in text:
         return f"CRIU says userfaultfd is not usable: {text.splitlines()[-1] if text else '?'}"

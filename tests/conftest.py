@@ -11,7 +11,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -192,6 +192,17 @@ def stand_in_server(script: str, *args: str) -> tuple[subprocess.Popen[str], dic
         server.wait()
         raise AssertionError("the stand-in server did not get its kernels ready")
     return server, json.loads(line)
+
+
+async def exited(pids: Iterable[int], timeout: float = 60) -> list[int]:
+    """Those of `pids` still in /proc after up to `timeout` s: a killed process lingers
+    as a zombie until its parent (an init, a keeper) reaps it, which takes a moment."""
+    deadline = time.monotonic() + timeout
+    while True:
+        left = [p for p in pids if Path(f"/proc/{p}").exists()]
+        if not left or time.monotonic() > deadline:
+            return left
+        await asyncio.sleep(0.02)
 
 
 def alive(pid: int) -> bool:

@@ -35,7 +35,7 @@ from jupyter_cedana.manager import SuspendManager
 from jupyter_cedana.policy import SuspendPolicy
 from jupyter_cedana.proctree import process_tree
 from jupyter_cedana.provisioner import KernelState
-from tests.conftest import run, wait_iopub
+from tests.conftest import exited, run, wait_iopub
 
 from .conftest_gpu import (
     CUDA_ERROR_INVALID_VALUE,
@@ -717,7 +717,7 @@ async def test_shutdown_of_suspended_gpu_kernel(
     await km.provisioner.suspend(tier=tier)
     await km.shutdown_kernel(now=True)
     assert wait_for(lambda: not any(alive(p) for p in pids), timeout=10)
-    assert not [p for p in pids if Path(f"/proc/{p}").exists()]
+    assert await exited(pids) == []
     assert images(checkpoint_root) == []
 
 

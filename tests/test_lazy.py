@@ -21,8 +21,9 @@ import pytest
 
 import jupyter_cedana
 from jupyter_cedana import crimg
+from jupyter_cedana.engine import CheckpointEngine
 from jupyter_cedana.provisioner import KernelState
-from tests.conftest import alive, kernel_pids, run, stand_in_server, wait_iopub
+from tests.conftest import alive, exited, kernel_pids, run, stand_in_server, wait_iopub
 
 pytestmark = pytest.mark.criu
 
@@ -147,7 +148,7 @@ async def test_a_corrupt_page_is_never_given_to_the_kernel(kernel, tmp_path: Pat
     assert prov.state == KernelState.failed
     assert f"checksum mismatch in {name} at offset" in (prov.reason or "")
     assert image.exists() and not page_servers(prov.kernel_id_str)
-    assert not [p for p in pids if Path(f"/proc/{p}").exists()]
+    assert await exited(pids) == []
     assert held_userfaultfds() == 0
     replies = []
     with pytest.raises(queue.Empty):
@@ -245,7 +246,7 @@ async def test_page_server_killed_mid_transfer(kernel, tmp_path: Path) -> None:
     assert prov.state == KernelState.failed
     assert "killed by SIGKILL" in (prov.reason or "") and "not loaded" in (prov.reason or "")
     assert image.exists()
-    assert not [p for p in pids if Path(f"/proc/{p}").exists()]
+    assert await exited(pids) == []
     assert held_userfaultfds() == 0
     hold.unlink()
     await prov.resume()
@@ -284,7 +285,7 @@ async def test_page_file_cut_short_mid_transfer(kernel, tmp_path: Path) -> None:
     assert prov.state == KernelState.failed
     assert f"{pages.name} is truncated" in (prov.reason or "")
     assert image.exists()
-    assert not [p for p in pids if Path(f"/proc/{p}").exists()]
+    assert await exited(pids) == []
 
 
 async def test_shutdown_mid_transfer_leaves_nothing(kernel, tmp_path: Path) -> None:
@@ -296,7 +297,7 @@ async def test_shutdown_mid_transfer_leaves_nothing(kernel, tmp_path: Path) -> N
     assert page_servers(kid)
     await kernel.shutdown_kernel(now=True)
     await prov.memory_loaded()
-    assert not [p for p in pids if Path(f"/proc/{p}").exists()]
+    assert await exited(pids) == []
     assert not page_servers(kid) and not image.exists()
     assert held_userfaultfds() == 0
 
@@ -343,6 +344,23 @@ async def test_restored_whole_where_lazy_is_unsupported(kernel, tmp_path: Path) 
     await wait_iopub(kernel.test_client)
     _, out = await run(kernel.test_client, SUM)
     assert out.strip() == EXPECTED_SUM
+
+
+def test_a_probe_that_could_not_run_is_asked_again(tmp_path: Path) -> None:
+    """`criu check` that cannot run at all (here: a wrapper whose interpreter is gone)
+    says nothing about userfaultfd: that restore goes whole, and the next one asks again
+    instead of every restore of the server's life going whole."""
+    engine = CheckpointEngine(checkpoint_root=str(tmp_path / "root"))
+    criu = engine.probe().criu_path
+    wrapper = tmp_path / "criu"
+    wrapper.write_text(f'#!/bin/sh\nexec {criu} "$@"\n')
+    wrapper.chmod(0o755)
+    engine.criu_path = str(wrapper)
+    assert engine.probe(refresh=True).available
+    wrapper.write_text(f'#!{tmp_path}/gone/sh\nexec {criu} "$@"\n')
+    assert "criu check failed" in (engine.lazy_unsupported() or "")
+    wrapper.write_text(f'#!/bin/sh\nexec {criu} "$@"\n')
+    assert engine.lazy_unsupported() is None
 
 
 SERVER = r"""

@@ -22,7 +22,7 @@ from jupyter_cedana.checkpoint import ROOT_MARKER
 from jupyter_cedana.errors import CheckpointCorrupt, Conflict, ResumeFailed, SuspendFailed
 from jupyter_cedana.proctree import process_tree
 from jupyter_cedana.provisioner import KernelState
-from tests.conftest import kernel_pids, run, start_kernel, stop_kernel, wait_iopub
+from tests.conftest import exited, kernel_pids, run, start_kernel, stop_kernel, wait_iopub
 
 pytestmark = pytest.mark.criu
 
@@ -76,7 +76,7 @@ async def test_suspend_resume_keeps_state(kernel, checkpoint_root: Path) -> None
     assert result["state"] == "suspended" and result["tier"] == "disk"
     assert prov.state == KernelState.suspended
     # Every process of the kernel is gone, yet Jupyter sees it alive.
-    assert not [p for p in pids_before if Path(f"/proc/{p}").exists()]
+    assert await exited(pids_before) == []
     assert await prov.poll() is None
     assert await kernel.is_alive()
 

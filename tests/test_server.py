@@ -164,6 +164,8 @@ async def test_rest_suspend_resume_and_spec(api, new_kernel, jp_serverapp, check
 
     status, k = await api("POST", "kernels", kid, "resume", spec="/kernels/{kernel_id}/resume")
     assert status == 200 and k["state"] == "running" and k["last_resume_seconds"] > 0
+    # A lazily restored kernel runs before its memory is in; its image goes after that.
+    await jp_serverapp.kernel_manager.get_kernel(kid).provisioner.memory_loaded()
     assert not (checkpoint_root / kid).exists()
 
     # 202 while a transition runs in the background; the state then tells.
@@ -172,6 +174,16 @@ async def test_rest_suspend_resume_and_spec(api, new_kernel, jp_serverapp, check
     )
     assert status in (200, 202) and k["state"] in ("suspending", "suspended")
     await until(api, kid, lambda k: k["state"] == "suspended")
+
+
+async def test_lazy_restore_is_probed_at_start(jp_serverapp):
+    """The first resume after a start does not wait for `criu check` (tenths of a
+    second on the way to its first output): the server probes in the background."""
+    engine = manager(jp_serverapp).engine
+    (app,) = jp_serverapp.extension_manager.extension_apps["jupyter_cedana"]
+    assert app._warm_up is not None
+    await asyncio.wait_for(asyncio.shield(app._warm_up), 60)
+    assert engine._lazy_probed and engine.lazy_unsupported() is None
 
 
 async def test_rest_errors(api, new_kernel):
