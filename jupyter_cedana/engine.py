@@ -38,6 +38,24 @@ _NO_PLUGINS = Path(__file__).parent / "criu_plugins"  # holds no .so: CRIU loads
 ProgressCallback = Callable[[str, int | None, int | None], None]
 
 
+# A kernel with its own PID namespace has its own mount namespace (for that namespace's
+# /proc, cedana-init --pidns): every mount in it but /proc is one of the host's, which
+# CRIU finds by itself and mounts back from the host's at restore.
+MOUNT_NS_ARGS = (
+    "--ext-mount-map",
+    "auto",
+    "--enable-external-sharing",
+    "--enable-external-masters",
+)
+
+
+def _own_mount_ns(pid: int) -> bool:
+    try:
+        return os.readlink(f"/proc/{pid}/ns/mnt") != os.readlink("/proc/self/ns/mnt")
+    except OSError:
+        return False
+
+
 @dataclass
 class DumpResult:
     seconds: float  # CRIU's run
@@ -423,6 +441,7 @@ class CheckpointEngine(SingletonConfigurable):
             "--file-locks",
             # A client connecting to a kernel port mid-dump must not fail the dump.
             "--skip-in-flight",
+            *(MOUNT_NS_ARGS if _own_mount_ns(pid) else ()),
             *self.extra_dump_args,
         ]
         self.log.debug("running %s", " ".join(cmd))
@@ -502,6 +521,8 @@ class CheckpointEngine(SingletonConfigurable):
             str(pidfile),
             "--leave-stopped",
             *(["--lazy-pages"] if lazy else []),
+            # The kernel's mount namespace (cedana-init --pidns): rooted at ours again.
+            *(["--root", "/", *MOUNT_NS_ARGS] if any(images.glob("mountpoints-*.img")) else []),
             *self.extra_restore_args,
         ]
         self.log.debug("running %s", " ".join(cmd))

@@ -8,8 +8,6 @@ import errno
 import os
 from pathlib import Path
 
-KERNELSIDE = Path(__file__).parent / "kernelside"
-
 
 def has_option(cmd: list[str], name: str) -> bool:
     """Whether `cmd` sets the traitlets option `--name` (as `--name=v` or `--name v`);
@@ -27,11 +25,6 @@ def ipykernel_options(cmd: list[str], *, history_in_memory: bool) -> list[str]:
     if history_in_memory and is_ipykernel(cmd) and not has_option(cmd, "HistoryManager.hist_file"):
         return [*cmd, "--HistoryManager.hist_file=:memory:"]
     return cmd
-
-
-def pidns_environment(env: dict[str, str]) -> None:
-    """Python kernels in a PID namespace load kernelside/sitecustomize.py (see there)."""
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(KERNELSIDE), env.get("PYTHONPATH")]))
 
 
 def check_executable(

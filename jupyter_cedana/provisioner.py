@@ -24,7 +24,7 @@ from jupyter_client.provisioning import LocalProvisioner
 from .adoption import claim_adoption
 from .checkpointing import Checkpointing
 from .errors import Conflict
-from .launch import check_executable, ipykernel_options, pidns_environment
+from .launch import check_executable, ipykernel_options
 from .pids import KernelPids
 from .proctree import process_tree
 from .transitions import KernelState, Listener, Progress, TransitionMachine
@@ -77,8 +77,6 @@ class CedanaProvisioner(Checkpointing, TransitionMachine, LocalProvisioner):  # 
         env = dict(kw.pop("env", None) or os.environ)
         check_executable(cmd, env, kw.get("cwd"))
         cmd = ipykernel_options(cmd, history_in_memory=engine.ipython_history_in_memory)
-        if engine.pidns:
-            pidns_environment(env)
         wrapped += ["--pidfile", str(pidfile), "--", *cmd]
         # ipykernel polls this PID and exits when it changes, which it does after a restore.
         env.pop("JPY_PARENT_PID", None)

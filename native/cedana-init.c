@@ -9,7 +9,8 @@
  * forwarding signals and exiting with the init's status. With --pidns (needs
  * CAP_SYS_ADMIN) the init is PID 1 of a new PID namespace: CRIU dumps the namespace
  * from it, and a restore recreates the namespace, so restored kernels never collide with
- * PID numbers taken since the dump (pid_max is small here).
+ * PID numbers taken since the dump (pid_max is small here). The init also makes a mount
+ * namespace with that PID namespace's /proc (own_proc), and runs itself again there.
  *
  * --die-with-parent: when the process that started the watcher dies (a jupyter server
  * killed with SIGKILL), the kernel is terminated, as ipykernel would do by itself if
@@ -50,7 +51,10 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <sched.h>
+#include <limits.h>
+#include <sys/mount.h>
 #include <sys/prctl.h>
+#include <sys/stat.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -256,6 +260,86 @@ static void write_pidfile(const char *path, pid_t pid)
 		die("pidfile rename");
 }
 
+/* Reopens by path every descriptor that names a file on a mount of the namespace we
+ * left (the kernel's log, /dev/null, the --chdir directory): CRIU cannot dump a file
+ * whose mount lies outside the dumped mount namespace. Pipes and sockets stay. */
+static void reopen_fds(void)
+{
+	DIR *d = opendir("/proc/self/fd");
+	struct dirent *e;
+	if (!d)
+		die("/proc/self/fd");
+	int own = dirfd(d);
+	while ((e = readdir(d)) != NULL) {
+		char link[64], path[PATH_MAX];
+		struct stat st;
+		int fd = atoi(e->d_name);
+		if (e->d_name[0] < '0' || e->d_name[0] > '9' || fd == own || fstat(fd, &st) < 0)
+			continue;
+		if (!S_ISREG(st.st_mode) && !S_ISDIR(st.st_mode) && !S_ISCHR(st.st_mode))
+			continue;
+		snprintf(link, sizeof(link), "/proc/self/fd/%d", fd);
+		ssize_t n = readlink(link, path, sizeof(path) - 1);
+		if (n <= 0 || path[0] != '/')
+			continue;
+		path[n] = '\0';
+		int flags = fcntl(fd, F_GETFL), fdflags = fcntl(fd, F_GETFD);
+		off_t at = S_ISREG(st.st_mode) ? lseek(fd, 0, SEEK_CUR) : -1;
+		int again = open(path, (flags & ~(O_CREAT | O_EXCL | O_TRUNC)) | O_NOCTTY);
+		if (again < 0)
+			continue; /* a deleted or replaced file: CRIU says why if it matters */
+		if (at > 0)
+			lseek(again, at, SEEK_SET);
+		if (dup3(again, fd, (fdflags & FD_CLOEXEC) ? O_CLOEXEC : 0) < 0)
+			die("dup3");
+		close(again);
+	}
+	closedir(d);
+}
+
+/* As PID 1 of a new PID namespace: a mount namespace with this namespace's /proc, so
+ * that PID lookups inside the kernel (psutil.Process(), /proc/<os.getpid()>) find its
+ * own processes, not the host's under the same numbers. Mounts made on the host later
+ * still show (slave propagation); none made here leave. Then this program runs again
+ * (--ns-init), so that its own mappings too are files of the new namespace. */
+static void own_proc(char **cmd, const char *chdir_to)
+{
+	char self[PATH_MAX];
+	ssize_t n = readlink("/proc/self/exe", self, sizeof(self) - 1);
+	if (n <= 0)
+		die("/proc/self/exe");
+	self[n] = '\0';
+	/* Best effort: where mounts are not allowed (some containers) the kernel runs on,
+	 * seeing the host's /proc as before. */
+	if (unshare(CLONE_NEWNS) < 0) {
+		fprintf(stderr, "cedana-init: no mount namespace (%s): the kernel sees the "
+				"host's /proc\n", strerror(errno));
+		return;
+	}
+	if (mount(NULL, "/", NULL, MS_REC | MS_SLAVE, NULL) < 0 ||
+	    mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL) < 0)
+		fprintf(stderr, "cedana-init: cannot mount a /proc (%s): the kernel sees the "
+				"host's\n", strerror(errno));
+	reopen_fds();
+	size_t ncmd = 0;
+	while (cmd[ncmd])
+		ncmd++;
+	char **args = calloc(ncmd + 6, sizeof(*args));
+	if (!args)
+		die("calloc");
+	size_t k = 0;
+	args[k++] = self;
+	args[k++] = "--ns-init";
+	if (chdir_to) {
+		args[k++] = "--chdir";
+		args[k++] = (char *)chdir_to;
+	}
+	args[k++] = "--";
+	memcpy(&args[k], cmd, ncmd * sizeof(*args));
+	execv(self, args);
+	die(self);
+}
+
 static int run_init(char **argv, const sigset_t *set, int chdir_fd)
 {
 	/* Fails with EPERM when already a session leader (no --pidns): that is fine. */
@@ -304,13 +388,15 @@ static void raise_pid_cursor(const char *helper, const char *base)
 
 int main(int argc, char **argv)
 {
-	int pidns = 0, die_with_parent = 0;
+	int pidns = 0, die_with_parent = 0, ns_init = 0;
 	const char *pidfile = NULL, *keeper = NULL, *pid_base = NULL, *pid_helper = NULL;
 	const char *chdir_to = NULL;
 	int i = 1;
 	for (; i < argc; i++) {
 		if (strcmp(argv[i], "--pidns") == 0) {
 			pidns = 1;
+		} else if (strcmp(argv[i], "--ns-init") == 0) {
+			ns_init = 1; /* internal: PID 1 again, in its mount namespace (own_proc) */
 		} else if (strcmp(argv[i], "--die-with-parent") == 0) {
 			die_with_parent = 1;
 		} else if (strcmp(argv[i], "--pidfile") == 0 && i + 1 < argc) {
@@ -347,6 +433,8 @@ int main(int argc, char **argv)
 	sigset_t set;
 	struct watch w = {0, keeper, 0};
 	take_signals(&set);
+	if (ns_init)
+		return run_init(cmd, &set, chdir_fd);
 	if (die_with_parent)
 		watch_parent(&w);
 
@@ -383,6 +471,8 @@ int main(int argc, char **argv)
 	if (init == 0) {
 		/* The init is what CRIU dumps: it must carry no parent-death signal. */
 		prctl(PR_SET_PDEATHSIG, 0);
+		if (pidns)
+			own_proc(cmd, chdir_to);
 		return run_init(cmd, &set, chdir_fd);
 	}
 	if (chdir_fd >= 0)

@@ -529,3 +529,23 @@ async def test_a_restored_kernel_costs_a_small_keeper_and_no_criu(kernel) -> Non
     await wait_iopub(kernel.test_client)
     _, out = await run(kernel.test_client, "print(6 * 7)")
     assert out.strip() == "42"
+
+
+async def test_the_kernel_sees_its_own_processes_in_proc(kernel) -> None:
+    """In its own PID namespace the kernel has that namespace's /proc (its own mount
+    namespace): PID lookups find the kernel itself, before and after a suspend."""
+    if not kernel.provisioner.engine.pidns:
+        pytest.skip("kernels share the server's PID namespace (not root)")
+    code = (
+        "import os\n"
+        "stat = open(f'/proc/{os.getpid()}/stat').read()\n"
+        "print(os.getpid(), stat.split()[1], open('/proc/self/stat').read() == stat)"
+    )
+    for _ in range(2):
+        reply, out = await run(kernel.test_client, code)
+        assert reply["status"] == "ok", out
+        pid, comm, same = out.split()
+        assert int(pid) > 1 and comm.startswith("(python") and same == "True", out
+        await kernel.provisioner.suspend()
+        await kernel.provisioner.resume()
+        await wait_iopub(kernel.test_client)
