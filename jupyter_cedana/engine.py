@@ -27,7 +27,7 @@ from traitlets.config import SingletonConfigurable
 from .checkpoint import CheckpointStore
 from .errors import EngineUnavailable, ResumeFailed, SuspendFailed
 from .integrity import FollowingHasher
-from .procmount import dump_turn
+from .procmount import MOUNT_NS_ARGS, dump_turn, own_mount_ns
 
 MIN_CRIU = (4, 2)
 # Where scripts/grant-criu-caps.sh puts the copy of criu that carries file capabilities.
@@ -36,24 +36,6 @@ _PACKAGE_BIN = Path(__file__).parent / "bin"
 _NO_PLUGINS = Path(__file__).parent / "criu_plugins"  # holds no .so: CRIU loads nothing
 
 ProgressCallback = Callable[[str, int | None, int | None], None]
-
-
-# A kernel with its own PID namespace has its own mount namespace (for that namespace's
-# /proc, cedana-init --pidns): every mount in it but /proc is one of the host's, which
-# CRIU finds by itself and mounts back from the host's at restore.
-MOUNT_NS_ARGS = (
-    "--ext-mount-map",
-    "auto",
-    "--enable-external-sharing",
-    "--enable-external-masters",
-)
-
-
-def _own_mount_ns(pid: int) -> bool:
-    try:
-        return os.readlink(f"/proc/{pid}/ns/mnt") != os.readlink("/proc/self/ns/mnt")
-    except OSError:
-        return False
 
 
 @dataclass
@@ -441,7 +423,7 @@ class CheckpointEngine(SingletonConfigurable):
             "--file-locks",
             # A client connecting to a kernel port mid-dump must not fail the dump.
             "--skip-in-flight",
-            *(MOUNT_NS_ARGS if _own_mount_ns(pid) else ()),
+            *(MOUNT_NS_ARGS if own_mount_ns(pid) else ()),
             *self.extra_dump_args,
         ]
         self.log.debug("running %s", " ".join(cmd))
