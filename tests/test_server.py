@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 import uuid
 from pathlib import Path
@@ -183,7 +184,11 @@ async def test_lazy_restore_is_probed_at_start(jp_serverapp):
     (app,) = jp_serverapp.extension_manager.extension_apps["jupyter_cedana"]
     assert app._warm_up is not None
     await asyncio.wait_for(asyncio.shield(app._warm_up), 60)
-    assert engine._lazy_probed and engine.lazy_unsupported() is None
+    assert engine._lazy_probed
+    if os.geteuid() == 0:
+        assert engine.lazy_unsupported() is None
+    else:  # CRIU 4.2 ignores userfaultfd with --unprivileged: said once, at start
+        assert "userfaultfd" in (engine.lazy_unsupported() or "")
 
 
 async def test_rest_errors(api, new_kernel):
