@@ -222,9 +222,9 @@ async def confirm_iopub(km: Any, kc: Any, interval: float = GATE_NUDGE_S) -> Non
 
 
 async def output_of(kc: Any, code: str, timeout: float = 600) -> tuple[float, str]:
-    """Send `code`; seconds until its first stream output arrived, and that output."""
+    """Send `code`; the time.perf_counter() at which its first stream output arrived, and
+    that output. Returns after the reply (untimed)."""
     msg_id = kc.execute(code)
-    t = time.perf_counter()
     text = None
     deadline = time.monotonic() + timeout
     while text is None:
@@ -235,15 +235,17 @@ async def output_of(kc: Any, code: str, timeout: float = 600) -> tuple[float, st
             text = msg["content"]["text"]
         elif msg["msg_type"] == "error":
             raise RuntimeError("\n".join(msg["content"]["traceback"]))
-    dt = time.perf_counter() - t
+    arrived = time.perf_counter()
     while True:  # the reply and the idle status, untimed
         reply = await kc.get_shell_msg(timeout=timeout)
         if reply["parent_header"].get("msg_id") == msg_id:
             break
-    with contextlib.suppress(Exception):
-        while True:
-            await kc.get_iopub_msg(timeout=0.05)
-    return dt, text.strip()
+    while True:
+        msg = await kc.get_iopub_msg(timeout=max(0.01, deadline - time.monotonic()))
+        mine = msg["parent_header"].get("msg_id") == msg_id
+        if mine and msg["content"].get("execution_state") == "idle":
+            break
+    return arrived, text.strip()
 
 
 async def stop_kernel(km: Any, kc: Any) -> None:

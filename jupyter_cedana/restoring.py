@@ -50,6 +50,8 @@ class Restoring(GpuSteps):
     last_suspend_breakdown: dict[str, float] | None = None
     last_resume_breakdown: dict[str, Any] | None = None
     last_resume_seconds: float | None = None
+    # time.monotonic() when the last lazily restored kernel's memory was all in.
+    last_memory_in_at: float | None = None
     checkpoint_bytes: int = 0
     gpu_memory_freed: int = 0
     _chores: set[asyncio.Future[Any]]
@@ -118,19 +120,23 @@ class Restoring(GpuSteps):
             pids = process_tree(root)
             if pids and all(_proc_state(p) == "T" for p in pids):
                 break
-            await asyncio.sleep(0.005)
+            await asyncio.sleep(0.002)
         else:
             self.log.warning("Restored kernel %s did not report stopped; continuing it", root)
         if before is not None:
             await before()
+        # Every task was seen stopped, so CRIU has let go and no stop is still on its
+        # way: the first look may be early (the kernel's first output waits for it).
         settle = time.monotonic() + 1.0
+        delay = 0.001
         while True:
             self._continue(process_tree(root))
-            await asyncio.sleep(0.02)
+            await asyncio.sleep(delay)
             if time.monotonic() > settle or not any(
                 _proc_state(p) == "T" for p in process_tree(root)
             ):
                 break
+            delay = min(delay * 2, 0.02)
 
     def _kill_tree(self, root: int) -> None:
         """SIGKILL a kernel tree: its PID-namespace init takes the namespace with it;
@@ -194,7 +200,7 @@ class Restoring(GpuSteps):
             pidfile.unlink(missing_ok=True)
             # The first time, this runs `criu check`: not on the event loop.
             lazy_off = await asyncio.to_thread(engine.lazy_unsupported)
-            if self._restores_lazily(manifest, gpu_state, lazy_off):
+            if self._restores_lazily(manifest, gpu_state, lazy_off, engine.lazy_restore_min_bytes):
                 lazy_plan = await asyncio.to_thread(
                     lazy.check_before_restore, store, kid, manifest, work
                 )
@@ -273,12 +279,15 @@ class Restoring(GpuSteps):
         return self.summary()
 
     @staticmethod
-    def _restores_lazily(manifest: dict[str, Any], gpu_state: Any, lazy_off: str | None) -> bool:
+    def _restores_lazily(
+        manifest: dict[str, Any], gpu_state: Any, lazy_off: str | None, min_bytes: int
+    ) -> bool:
         # GPU checkpoints: the CUDA restore reads the process's memory right away, and
         # has not been checked against pages served by userfaultfd.
         page_files = [m for n, m in manifest["files"].items() if is_page_file(n)]
         chunked = bool(page_files) and all("chunks" in m for m in page_files)
-        return chunked and not gpu_state and lazy_off is None
+        big = int(manifest.get("total_bytes") or 0) >= min_bytes
+        return chunked and big and not gpu_state and lazy_off is None
 
     def _discard_image_later(self) -> None:
         # The kernel runs already; gigabytes of deletion need not delay its first output.
@@ -316,6 +325,7 @@ class Restoring(GpuSteps):
             return
         finally:
             self._loading = None
+        self.last_memory_in_at = pages.started + seconds
         await pages.stop()
         self.log.info(
             "Kernel %s: all %.1f MB of its memory in, %.2f s after the page server started",

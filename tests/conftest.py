@@ -71,6 +71,10 @@ def checkpoint_root(tmp_path: Path) -> Path:
 def engine_config(checkpoint_root: Path) -> Config:
     c = Config()
     c.CheckpointEngine.checkpoint_root = str(checkpoint_root)
+    # The tests' kernels are small (~0.1 GB), below the size from which an image is
+    # restored lazily: here every one is, so that the lazy path meets every test.
+    # tests/test_lazy.py and the server tests cover the default.
+    c.CheckpointEngine.lazy_restore_min_bytes = 0
     return c
 
 

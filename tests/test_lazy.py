@@ -126,6 +126,32 @@ async def test_kernel_runs_while_its_memory_is_still_on_disk(kernel, tmp_path: P
     assert out.strip() == EXPECTED_SUM
 
 
+async def test_small_images_are_restored_whole(kernel, tmp_path: Path) -> None:
+    """Below lazy_restore_min_bytes (as this kernel is, by default) an image is read
+    whole before the kernel runs, and goes at once; at 0, every image lazily."""
+    prov, image, _ = await suspended_with_array(kernel)
+    size = prov.engine.store.read_manifest(prov.kernel_id_str)["total_bytes"]
+    assert size < CheckpointEngine.lazy_restore_min_bytes.default_value
+    prov.engine.lazy_restore_min_bytes = size + 1
+    hold = hold_transfer(prov, tmp_path)  # a page server would hold the image
+    await prov.resume()
+    assert prov.last_resume_breakdown and prov.last_resume_breakdown["lazy"] is False
+    assert not image.exists() and not page_servers(prov.kernel_id_str)
+    kc = kernel.test_client
+    await wait_iopub(kc)
+    _, out = await run(kc, SUM)
+    assert out.strip() == EXPECTED_SUM
+
+    prov.engine.lazy_restore_min_bytes = 0
+    await prov.suspend()
+    await prov.resume()
+    assert prov.last_resume_breakdown and prov.last_resume_breakdown["lazy"] is True
+    assert image.exists() and page_servers(prov.kernel_id_str)
+    hold.unlink()
+    await prov.memory_loaded()
+    assert not image.exists()
+
+
 async def test_a_corrupt_page_is_never_given_to_the_kernel(kernel, tmp_path: Path) -> None:
     """A byte flipped deep in the page file: the chunk is refused when the kernel touches
     it; the kernel is killed (it must not run on with missing or wrong memory), state
@@ -376,6 +402,7 @@ async def main():
     c = Config()
     c.CheckpointEngine.checkpoint_root = sys.argv[1]
     c.CheckpointEngine.pages_path = sys.argv[2]
+    c.CheckpointEngine.lazy_restore_min_bytes = 0
     km = AsyncKernelManager(config=c)
     await km.start_kernel()
     kc = km.client()
