@@ -141,8 +141,8 @@ async def resume_step(km: Any, kc: Any, root: Path, image: int, cold: bool) -> d
         raise RuntimeError(f"unexpected output {out!r}")
     await prov.memory_loaded()
     # When the page server had every page in (not when we got round to asking).
-    in_at = prov.last_memory_in_at
-    all_in_s = in_at - t0_mono if in_at is not None and in_at > t0_mono else resume_s
+    in_at = prov.last_memory_in_at  # None: restored whole, all in when resume() returned
+    all_in_s = in_at - t0_mono if in_at is not None else resume_s
     row = {
         "resume_s": resume_s,
         "iopub_s": iopub_s - resume_s,

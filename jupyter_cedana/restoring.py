@@ -162,6 +162,7 @@ class Restoring(GpuSteps):
         previous = self.state
         self._set_state(KernelState.resuming)
         t0 = time.monotonic()
+        self.last_memory_in_at = None
         try:
             manifest = store.check_sizes(kid)
             check_free(manifest.get("task_ids"))
