@@ -73,6 +73,12 @@ class CedanaApp(ExtensionApp):
         info = engine.probe()
         if not info.available:
             self.log.warning("jupyter-cedana: checkpointing unavailable: %s", info.reason)
+        elif why := engine.criu_cache_problem():
+            self.log.warning(
+                "jupyter-cedana: CRIU probes the Linux kernel again on every suspend and resume "
+                "(~30 ms each): %s. See docs/deployment.md (a tmpfs on /run).",
+                why,
+            )
         policy = SuspendPolicy(parent=self.serverapp)
         if self.default_provisioner:
             self._make_default_provisioner()

@@ -210,6 +210,7 @@ def cmd_status(args: argparse.Namespace, client: Client) -> int:
         ),
         *_budget_rows(st.get("budget") or {}, st.get("queued") or {}),
         ("GPU", gpu_line),
+        *(("Warning", w) for w in st.get("warnings") or []),
     ]
     for name, value in rows:
         print(f"{name + ':':<17}{value}")

@@ -24,6 +24,7 @@ from jupyter_core.paths import jupyter_data_dir
 from traitlets import Bool, Float, Integer, List, Unicode, default
 from traitlets.config import SingletonConfigurable
 
+from . import criucache
 from .checkpoint import CheckpointStore
 from .errors import EngineUnavailable, ResumeFailed, SuspendFailed
 from .integrity import FollowingHasher
@@ -223,6 +224,19 @@ class CheckpointEngine(SingletonConfigurable):
     _monitor: Any = None
     _cuda: Any = None
     _cuda_started = False
+    _criu_env: dict[str, str] | None = None
+    _criu_env_set = False
+
+    def criu_env(self) -> dict[str, str] | None:
+        """The environment of our CRIU runs (None: the server's); see criucache."""
+        if not self._criu_env_set:
+            self._criu_env = criucache.criu_env(os.geteuid() != 0)
+            self._criu_env_set = True
+        return self._criu_env
+
+    def criu_cache_problem(self) -> str | None:
+        """Why CRIU probes the Linux kernel again on every run here (None: it need not)."""
+        return criucache.problem(os.geteuid() != 0, self.criu_env() or os.environ)
 
     def gpu_monitor(self) -> Any:
         """The GpuMonitor shared by the policy and GPU checkpointing (None when off)."""
@@ -440,7 +454,11 @@ class CheckpointEngine(SingletonConfigurable):
         hasher = FollowingHasher(images).start()
         try:
             proc = await asyncio.create_subprocess_exec(
-                *cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+                *cmd,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                env=self.criu_env(),
             )
         except BaseException:
             await asyncio.to_thread(hasher.finish)
@@ -523,6 +541,7 @@ class CheckpointEngine(SingletonConfigurable):
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
             start_new_session=True,
+            env=self.criu_env(),
         )
 
     async def wait_restored(

@@ -40,4 +40,15 @@ def server_status(
         "budget": budget.snapshot(),
         "queued": queue.counts(),
         "gpu": gpu,
+        "warnings": _warnings(engine, info),
     }
+
+
+def _warnings(engine: CheckpointEngine, info: Any) -> list[str]:
+    """What slows checkpointing down here, for admins (the server logs it at start)."""
+    out = []
+    if info.available and (why := engine.criu_cache_problem()):
+        out.append(
+            f"CRIU probes the Linux kernel again on every suspend and resume (~30 ms): {why}"
+        )
+    return out

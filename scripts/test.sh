@@ -34,5 +34,6 @@ if [ $# -eq 0 ] && [ "$(id -u)" = 0 ]; then
   NR=$ROOT/.venv-nonroot/bin
   runuser -u cedana-test -- env -i HOME=/home/cedana-test LANG=C.UTF-8 PATH="$NR:/usr/bin:/bin" \
     "$NR/python" -m pytest -p no:cacheprovider \
-    tests/test_provisioner.py tests/test_server.py tests/test_parent_death.py tests/hub
+    tests/test_provisioner.py tests/test_server.py tests/test_parent_death.py tests/test_criucache.py \
+    tests/hub
 fi

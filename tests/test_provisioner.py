@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from jupyter_client.manager import _ShutdownStatus
 
-from jupyter_cedana import crimg
+from jupyter_cedana import crimg, criucache
 from jupyter_cedana.checkpoint import ROOT_MARKER
 from jupyter_cedana.errors import CheckpointCorrupt, Conflict, ResumeFailed, SuspendFailed
 from jupyter_cedana.proctree import process_tree
@@ -181,6 +181,24 @@ async def test_kernel_in_a_read_only_directory_suspends_and_resumes(
     finally:
         await stop_kernel(km)
     assert not private.exists()  # removed with the kernel
+
+
+async def test_criu_keeps_its_probe_of_the_linux_kernel_where_it_can(kernel) -> None:
+    """criucache: an unprivileged CRIU is given a runtime directory on a tmpfs and keeps
+    its probe there; as root, where /run is no tmpfs, the reason is named."""
+    prov = kernel.provisioner
+    await prov.suspend()
+    await prov.resume()
+    engine = prov.engine
+    problem = engine.criu_cache_problem()
+    if os.geteuid() != 0:
+        env = engine.criu_env() or os.environ
+        assert problem is None
+        assert (Path(env["XDG_RUNTIME_DIR"]) / "criu.kdat").stat().st_size > 0
+    elif criucache.fs_type("/run") == "tmpfs":
+        assert problem is None and Path("/run/criu.kdat").stat().st_size > 0
+    else:
+        assert problem and problem.startswith("/run is ") and "not a tmpfs" in problem
 
 
 async def test_suspend_twice_and_resume_twice(kernel) -> None:
