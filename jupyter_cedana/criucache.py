@@ -14,13 +14,17 @@ ours on /dev/shm when the user's own runtime directory is missing or not a tmpfs
 
 from __future__ import annotations
 
+import contextlib
 import os
 import stat
+import time
 from collections.abc import Mapping
 from pathlib import Path
 
 ROOT_DIR = "/run"
 SHM = "/dev/shm"
+CACHE = "criu.kdat"
+STALE_TMP_S = 60.0  # CRIU writes the file in microseconds
 
 
 def fs_type(path: str, mountinfo: str = "/proc/self/mountinfo") -> str | None:
@@ -56,7 +60,7 @@ def cache_dir(unprivileged: bool, env: Mapping[str, str]) -> str | None:
     return env.get("XDG_RUNTIME_DIR") if unprivileged else ROOT_DIR
 
 
-def problem(unprivileged: bool, env: Mapping[str, str]) -> str | None:
+def problem(unprivileged: bool, env: Mapping[str, str], now: float | None = None) -> str | None:
     """Why CRIU probes the kernel again on every run here (None: it keeps its probe)."""
     where = cache_dir(unprivileged, env)
     if not where:
@@ -64,6 +68,16 @@ def problem(unprivileged: bool, env: Mapping[str, str]) -> str | None:
     kind = fs_type(where)
     if kind != "tmpfs":
         return f"{where} is {kind or 'of an unknown file system'}, not a tmpfs"
+    # CRIU writes the cache as NAME.tmp and renames it; a CRIU killed in between leaves
+    # the .tmp, and every later CRIU, finding it, leaves the cache unwritten (it takes
+    # the file for another CRIU's, writing at the same moment).
+    cache, tmp = os.path.join(where, CACHE), os.path.join(where, CACHE + ".tmp")
+    try:
+        age = (time.time() if now is None else now) - os.stat(tmp).st_mtime
+    except OSError:
+        return None
+    if age > STALE_TMP_S and not os.path.exists(cache):
+        return f"{tmp}, left by an interrupted CRIU run, keeps CRIU from writing {cache}"
     return None
 
 
@@ -99,4 +113,8 @@ def criu_env(
     mine = own_shm_dir(os.geteuid(), shm)
     if mine is None:
         return None
-    return {**env, "XDG_RUNTIME_DIR": mine}
+    ours = {**env, "XDG_RUNTIME_DIR": mine}
+    if problem(True, ours) is not None:  # a stale .tmp, in a directory only we use
+        with contextlib.suppress(OSError):
+            os.unlink(os.path.join(mine, CACHE + ".tmp"))
+    return ours

@@ -85,3 +85,25 @@ def test_an_unprivileged_criu_gets_a_tmpfs_runtime_dir(shm: Path) -> None:
     assert criucache.problem(True, given) is None
     assert criucache.criu_env(True, {"XDG_RUNTIME_DIR": str(shm)}, shm=str(shm)) is None
     assert criucache.criu_env(False, env, shm=str(shm)) is None  # root: /run, or nothing
+
+
+def test_a_cache_file_left_half_written_is_named_and_ours_is_cleared(shm: Path) -> None:
+    env = {"XDG_RUNTIME_DIR": str(shm)}
+    tmp = shm / "criu.kdat.tmp"
+    tmp.touch()
+    assert criucache.problem(True, env) is None  # another CRIU may be writing it now
+    old = tmp.stat().st_mtime - 600
+    os.utime(tmp, (old, old))
+    assert "interrupted CRIU run" in (criucache.problem(True, env) or "")
+    (shm / "criu.kdat").touch()
+    assert criucache.problem(True, env) is None  # the cache is there: CRIU reads it
+
+    (shm / "criu.kdat").unlink()
+    given = criucache.criu_env(True, env, shm=str(shm))  # not this one: ours, instead
+    mine = Path(given["XDG_RUNTIME_DIR"]) if given else None
+    assert mine == shm / f"cedana-criu-{os.geteuid()}"
+    stale = mine / "criu.kdat.tmp"
+    stale.touch()
+    os.utime(stale, (old, old))
+    assert criucache.criu_env(True, env, shm=str(shm)) == given
+    assert not stale.exists() and tmp.exists()  # only what is in our own directory
