@@ -26,7 +26,8 @@ trap 'rm -rf "$work"' EXIT
 mkdir -p "$work/payload/bench" "$work/payload/criu/lib" "$work/wheels"
 
 say "building the jupyter-cedana wheel (native helpers included)"
-"$PY" -m pip wheel -q --no-deps --no-build-isolation -w "$work/wheels" . >/dev/null
+scripts/without-dev-install-json.sh \
+  "$PY" -m pip wheel -q --no-deps --no-build-isolation -w "$work/wheels" . >/dev/null
 wheel=$(ls "$work"/wheels/jupyter_cedana-*.whl)
 "$PY" - "$wheel" <<'PY'
 import sys, zipfile

@@ -54,14 +54,9 @@ if [ ! -e "$stamp" ]; then
   "$VENV/bin/python" -m pip install -q "jupyterlab>=4,<5" "hatchling>=1.21" "hatch-jupyter-builder>=0.5" editables >&2 \
     || fail "pip install of the build tools"
   # (The editable build runs jlpm, which comes with jupyterlab.)
-  # `jupyter labextension develop` (scripts/setup.sh) leaves a copy of install.json in the
-  # built extension, which the wheel's shared-data would then add twice: set it aside.
-  stray=jupyter_cedana/labextension/install.json
-  [ -e "$stray" ] && mv "$stray" "$stray.aside"
-  rc=0
-  PATH=$VENV/bin:$PATH "$VENV/bin/python" -m pip install -q --no-build-isolation -e ".[test]" >&2 || rc=$?
-  [ -e "$stray.aside" ] && mv "$stray.aside" "$stray"
-  [ "$rc" = 0 ] || fail "pip install -e .[test]"
+  PATH=$VENV/bin:$PATH scripts/without-dev-install-json.sh \
+    "$VENV/bin/python" -m pip install -q --no-build-isolation -e ".[test]" >&2 \
+    || fail "pip install -e .[test]"
   touch "$stamp"
 fi
 chmod -R a+rX "$VENV"

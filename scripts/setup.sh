@@ -57,10 +57,8 @@ fi
 # Builds native/ (C, -Werror) and the labextension (jlpm install + build) and installs
 # the package editable with its dependencies.
 say "building and installing jupyter-cedana (native helpers, JupyterLab extension)"
-# A previous run's `labextension develop` left install.json in the built extension, which
-# the wheel's shared-data would add a second time: it is written again below.
-rm -f jupyter_cedana/labextension/install.json
-"$VPY" -m pip install -q --no-build-isolation -e ".[$extras]" || fail "pip install -e ."
+scripts/without-dev-install-json.sh "$VPY" -m pip install -q --no-build-isolation -e ".[$extras]" \
+  || fail "pip install -e ."
 # The editable install copies the built extension; link it instead so rebuilds show up.
 "$ROOT/.venv/bin/jupyter" labextension develop --overwrite . >/dev/null 2>&1 \
   || fail "jupyter labextension develop"
