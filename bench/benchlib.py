@@ -43,15 +43,10 @@ def drop_caches() -> None:
 
 
 def fs_type(path: Path) -> str:
-    best, kind = "", "?"
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/self/mounts").read_text().splitlines():
-            parts = line.split()
-            mnt = parts[1]
-            inside = str(path).startswith(mnt.rstrip("/") + "/") or str(path) == mnt
-            if inside and len(mnt) >= len(best):
-                best, kind = mnt, f"{parts[2]} on {parts[0]} ({mnt})"
-    return kind
+    from jupyter_cedana.criucache import mount_of
+
+    found = mount_of(str(path))
+    return f"{found[1]} on {found[2]} ({found[0]})" if found else "?"
 
 
 def meminfo() -> dict[str, int]:

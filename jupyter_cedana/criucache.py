@@ -27,25 +27,32 @@ CACHE = "criu.kdat"
 STALE_TMP_S = 60.0  # CRIU writes the file in microseconds
 
 
-def fs_type(path: str, mountinfo: str = "/proc/self/mountinfo") -> str | None:
-    """The file system type of the mount that holds `path` (None if unknown)."""
+def mount_of(path: str, mountinfo: str = "/proc/self/mountinfo") -> tuple[str, str, str] | None:
+    """The mount that holds `path`: (mount point, file system type, source); None if
+    unknown."""
     try:
         lines = Path(mountinfo).read_text().splitlines()
     except OSError:
         return None
     real = os.path.realpath(path)
-    best, kind = "", None
+    found: tuple[str, str, str] | None = None
     for line in lines:
         left, sep, right = line.partition(" - ")
-        fields = left.split()
-        if not sep or len(fields) < 5 or not right.split():
+        fields, tail = left.split(), right.split()
+        if not sep or len(fields) < 5 or len(tail) < 2:
             continue
         point = _unescape(fields[4])
         inside = real == point or real.startswith(point.rstrip("/") + "/")
         # Later lines are mounts on top of earlier ones at the same point.
-        if inside and len(point) >= len(best):
-            best, kind = point, right.split()[0]
-    return kind
+        if inside and (found is None or len(point) >= len(found[0])):
+            found = (point, tail[0], tail[1])
+    return found
+
+
+def fs_type(path: str, mountinfo: str = "/proc/self/mountinfo") -> str | None:
+    """The file system type of the mount that holds `path` (None if unknown)."""
+    found = mount_of(path, mountinfo)
+    return found[1] if found else None
 
 
 def _unescape(field: str) -> str:
@@ -60,7 +67,7 @@ def cache_dir(unprivileged: bool, env: Mapping[str, str]) -> str | None:
     return env.get("XDG_RUNTIME_DIR") if unprivileged else ROOT_DIR
 
 
-def problem(unprivileged: bool, env: Mapping[str, str], now: float | None = None) -> str | None:
+def problem(unprivileged: bool, env: Mapping[str, str]) -> str | None:
     """Why CRIU probes the kernel again on every run here (None: it keeps its probe)."""
     where = cache_dir(unprivileged, env)
     if not where:
@@ -73,7 +80,7 @@ def problem(unprivileged: bool, env: Mapping[str, str], now: float | None = None
     # the file for another CRIU's, writing at the same moment).
     cache, tmp = os.path.join(where, CACHE), os.path.join(where, CACHE + ".tmp")
     try:
-        age = (time.time() if now is None else now) - os.stat(tmp).st_mtime
+        age = time.time() - os.stat(tmp).st_mtime
     except OSError:
         return None
     if age > STALE_TMP_S and not os.path.exists(cache):

@@ -226,6 +226,7 @@ class CheckpointEngine(SingletonConfigurable):
     _cuda_started = False
     _criu_env: dict[str, str] | None = None
     _criu_env_set = False
+    _criu_problem: tuple[str | None] | None = None
 
     def criu_env(self) -> dict[str, str] | None:
         """The environment of our CRIU runs (None: the server's); see criucache."""
@@ -235,8 +236,14 @@ class CheckpointEngine(SingletonConfigurable):
         return self._criu_env
 
     def criu_cache_problem(self) -> str | None:
-        """Why CRIU probes the Linux kernel again on every run here (None: it need not)."""
-        return criucache.problem(os.geteuid() != 0, self.criu_env() or os.environ)
+        """Why CRIU probes the Linux kernel again on every run here (None: it need not).
+        Looked at once: the start-up log and every /status (the sidebar polls it) say
+        the same, and mounts do not change under a running server."""
+        if self._criu_problem is None:
+            self._criu_problem = (
+                criucache.problem(os.geteuid() != 0, self.criu_env() or os.environ),
+            )
+        return self._criu_problem[0]
 
     def gpu_monitor(self) -> Any:
         """The GpuMonitor shared by the policy and GPU checkpointing (None when off)."""
