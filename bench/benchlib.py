@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime
+import mmap
 import os
 import platform
 import statistics
@@ -102,12 +103,18 @@ async def engine_at(root: Path) -> Any:
     return engine
 
 
-def plain_write_fsync(path: Path, nbytes: int) -> tuple[float, float]:
+def plain_write_fsync(path: Path, nbytes: int, direct: bool = False) -> tuple[float, float]:
     """Seconds to write nbytes in 8 MiB chunks, and until they and the directory entry are
-    durable (write + fsync + directory fsync): a suspend's job without CRIU."""
-    buf = memoryview(os.urandom(CHUNK))
+    durable (write + fsync + directory fsync): a suspend's job without CRIU. `direct`:
+    with O_DIRECT (no page cache), as the extension writes page files."""
+    block = mmap.mmap(-1, CHUNK)  # page aligned, as O_DIRECT needs
+    block.write(os.urandom(CHUNK))
+    buf = memoryview(block)
+    if direct:
+        nbytes -= nbytes % 4096
     t = time.perf_counter()
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (os.O_DIRECT if direct else 0)
+    fd = os.open(path, flags, 0o600)
     try:
         left = nbytes
         while left > 0:

@@ -7,9 +7,10 @@ every page resident and incompressible), through the extension's own provisioner
 
   suspend     `sync`, then suspend(): seconds until the image is durable (files, manifest
               and directories fsynced) and the kernel killed; beside it, a plain write +
-              fsync (+ directory fsync) of the same byte count, after the suspend in even
-              repeats and before it in odd ones (whichever goes second finds the disk
-              still busy with the first's gigabytes). Breakdown: CRIU freezing,
+              fsync (+ directory fsync) of the same byte count, and the same with
+              O_DIRECT (the disk's own speed, as the page files are written), after the
+              suspend in even repeats and before it in odd ones (whichever goes second
+              finds the disk still busy with the first's gigabytes). Breakdown: CRIU freezing,
               CRIU memory dump (parasite + page transfer) and page write (stats-dump),
               checksum pass after the dump, fsync, kill; frozen = from CRIU's start
               (it freezes the tree at once) until the tree is gone.
@@ -97,14 +98,17 @@ async def suspend_step(prov: Any, root: Path, plain_first: bool, guess: int) -> 
     gigabytes were written, the disk (its host's cache) may still be busy with them."""
     plain = root / "plain-io.bin"
 
-    def plain_io(nbytes: int) -> tuple[float, float]:
+    def plain_io(nbytes: int) -> tuple[float, float, float]:
         os.sync()
-        out = plain_write_fsync(plain, nbytes)
+        write_s, durable_s = plain_write_fsync(plain, nbytes)
         plain.unlink()
-        return out
+        os.sync()
+        _, direct_s = plain_write_fsync(plain, nbytes, direct=True)
+        plain.unlink()
+        return write_s, durable_s, direct_s
 
     if plain_first:
-        write_s, plain_durable_s = plain_io(guess)
+        write_s, plain_durable_s, direct_s = plain_io(guess)
     os.sync()  # no dirty pages of earlier steps: the same start as the plain write
     t = time.perf_counter()
     await prov.suspend(tier="disk")
@@ -112,7 +116,7 @@ async def suspend_step(prov: Any, root: Path, plain_first: bool, guess: int) -> 
     manifest = prov.engine.store.read_manifest(prov.kernel_id_str)
     image = int(manifest["total_bytes"])
     if not plain_first:
-        write_s, plain_durable_s = plain_io(image)
+        write_s, plain_durable_s, direct_s = plain_io(image)
     b = prov.last_suspend_breakdown or {}
     return {
         "image_bytes": image,
@@ -122,6 +126,7 @@ async def suspend_step(prov: Any, root: Path, plain_first: bool, guess: int) -> 
         "durable_s": suspend_s - float(b.get("kill_s", 0.0)),
         "plain_write_s": write_s,
         "plain_write_fsync_s": plain_durable_s,
+        "direct_write_fsync_s": direct_s,
         **{k: v for k, v in b.items() if isinstance(v, int | float)},
     }
 
@@ -209,7 +214,8 @@ async def bench_size(size_gb: float, repeat: int, root: Path, cold: bool) -> dic
             print(
                 f"  [{i}] {r['image_bytes'] / GB:.3f} GB: durable {r['durable_s']:.3f} s, "
                 f"with kill {r['suspend_s']:.3f} s "
-                f"(plain write+fsync {r['plain_write_fsync_s']:.3f} s, frozen "
+                f"(plain write+fsync {r['plain_write_fsync_s']:.3f} s, O_DIRECT "
+                f"{r['direct_write_fsync_s']:.3f} s, frozen "
                 f"{r.get('frozen_s', 0):.3f} s) | first output {r['first_output_s']:.3f} s, "
                 f"all in {r['all_in_s']:.3f} s (plain read {r['plain_read_s']:.3f} s) | "
                 f"touch-all lazy {r['touch_all_lazy_s']:.3f} s, eager "
@@ -229,6 +235,7 @@ KEYS = (
     "durable_s",
     "plain_write_s",
     "plain_write_fsync_s",
+    "direct_write_fsync_s",
     "frozen_s",
     "before_dump_s",
     "dump_s",
@@ -269,6 +276,10 @@ def summarize(size_gb: float, rss: int, rows: list[dict[str, Any]]) -> dict[str,
     s["suspend_vs_plain"] = med(
         [{"x": r["plain_write_fsync_s"] / r["durable_s"]} for r in rows], "x"
     )
+    # The disk's own speed: the same bytes written with O_DIRECT, as the page files are.
+    s["suspend_vs_direct"] = med(
+        [{"x": r["direct_write_fsync_s"] / r["durable_s"]} for r in rows], "x"
+    )
     s["all_in_vs_plain_read"] = med([{"x": r["all_in_s"] / r["plain_read_s"]} for r in rows], "x")
     s["touch_all_lazy_vs_eager"] = med(
         [{"x": r["touch_all_lazy_s"] / r["touch_all_eager_s"]} for r in rows], "x"
@@ -307,19 +318,22 @@ def print_tables(results: list[dict[str, Any]], targets: list[dict[str, Any]]) -
         return f"{v:>{w}.{p}f}" if v is not None else f"{'-':>{w}}"
 
     print(
-        f"\n{'image':>6} | {'durable':>7} {'w+fsync':>7} {'ratio':>5} {'+kill':>7} {'frozen':>7} | "
+        f"\n{'image':>6} | {'durable':>7} {'w+fsync':>7} {'ratio':>5} {'direct':>7} {'ratio':>5} "
+        f"{'+kill':>7} {'frozen':>7} | "
         f"{'1st out':>7} {'all in':>7} {'read':>7} {'ratio':>5} | {'touch L':>7} "
         f"{'touch E':>7} {'ratio':>5}"
     )
     print(
-        f"{'GB':>6} | {'s':>7} {'s':>7} {'>=0.9':>5} {'s':>7} {'s':>7} | {'<0.5 s':>7} {'s':>7} "
+        f"{'GB':>6} | {'s':>7} {'s':>7} {'>=0.9':>5} {'s':>7} {'':>5} {'s':>7} {'s':>7} | "
+        f"{'<0.5 s':>7} {'s':>7} "
         f"{'s':>7} "
         f"{'<=1.2':>5} | {'s':>7} {'s':>7} {'<=1.2':>5}"
     )
     for s in results:
         print(
             f"{s['image_bytes'] / GB:>6.2f} | {f(s['durable_s'])} {f(s['plain_write_fsync_s'])} "
-            f"{f(s['suspend_vs_plain'], 5, 2)} {f(s['suspend_s'])} {f(s['frozen_s'])} | "
+            f"{f(s['suspend_vs_plain'], 5, 2)} {f(s['direct_write_fsync_s'])} "
+            f"{f(s['suspend_vs_direct'], 5, 2)} {f(s['suspend_s'])} {f(s['frozen_s'])} | "
             f"{f(s['first_output_s'])} "
             f"{f(s['all_in_s'])} {f(s['plain_read_s'])} {f(s['all_in_vs_plain_read'], 5, 2)} | "
             f"{f(s['touch_all_lazy_s'])} {f(s['touch_all_eager_s'])} "

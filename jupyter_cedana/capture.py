@@ -1,0 +1,414 @@
+"""Image capture: CRIU hands us its images as it dumps (`criu dump --stream`), and we write
+them, so that a suspend goes at the disk's speed instead of the page cache's.
+
+CRIU's img-streamer protocol: CRIU connects to `streamer-capture.sock` in the image
+directory and, for every image file it opens, sends the file's name (a 4-byte length and an
+`img_streamer_request_entry` protobuf) and then one byte carrying the read end of a pipe
+(SCM_RIGHTS); it writes the file into that pipe and closes it. Pages arrive by `splice`
+from the pipes CRIU's parasite `vmsplice`d the kernel's memory into, so they are copied
+once, into our buffers, where each 64 KiB chunk's CRC-32 is taken; then they go to disk
+with direct I/O (`O_DIRECT`), which does not allocate page cache (on a VM whose free memory
+the host reclaims, page-cache writes cost 3-5x the CPU), and all-zero chunks are not written
+at all (holes). A file system refusing `O_DIRECT` is written through the page cache, with
+writeback started as the file grows. The files are the same as CRIU writes itself: restore
+reads them as usual.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import mmap
+import os
+import queue
+import selectors
+import socket
+import struct
+import threading
+import time
+import zlib
+from pathlib import Path
+from typing import Any
+
+from .integrity import CHUNK_SIZE, is_page_file, start_writeback
+
+SOCKET_NAME = "streamer-capture.sock"  # CRIU's img-streamer.c
+_BUF = 4 << 20
+_BUFFERS = 4  # per capture: the writer may hold 3 while the receiver fills one
+_PIPE_SIZE = 1 << 20  # CRIU's own page pipes' size: one splice per pipe-full
+_F_SETPIPE_SZ = 1031
+_DIRECT_ALIGN = 4096
+_WRITEBACK_STEP = 32 << 20
+_QUIET_AFTER_EXIT_S = 10.0  # CRIU gone, yet a pipe neither closed nor fed: give up
+
+_Write = tuple["_Sink", int, "mmap.mmap | None", int, list[bool]]
+
+
+class CaptureFailed(Exception):
+    pass
+
+
+def _request_name(msg: bytes) -> str:
+    """The `filename` (field 1, a string) of an img_streamer_request_entry."""
+    if not msg or msg[0] != 0x0A:
+        raise CaptureFailed("malformed request from CRIU")
+    n = shift = 0
+    i = 1
+    while True:
+        if i >= len(msg):
+            raise CaptureFailed("malformed request from CRIU")
+        b = msg[i]
+        i += 1
+        n |= (b & 0x7F) << shift
+        shift += 7
+        if not b & 0x80:
+            break
+    name = msg[i : i + n].decode()
+    # Names come from CRIU, but a file is created for each: only plain names, here.
+    if len(msg) != i + n or not name or "/" in name or name in (".", "..", SOCKET_NAME):
+        raise CaptureFailed(f"CRIU asked for an unexpected image name {name!r}")
+    return name
+
+
+class _Sink:
+    """One image file being received."""
+
+    def __init__(self, directory: Path, name: str, rfd: int, direct: bool):
+        self.name, self.rfd = name, rfd
+        self.pages = is_page_file(name)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+        self.fd = -1
+        self.direct = False
+        if self.pages and direct:
+            try:
+                self.fd = os.open(directory / name, flags | os.O_DIRECT, 0o600)
+                self.direct = True
+            except OSError as e:
+                if e.errno != errno.EINVAL:  # no direct I/O on this file system
+                    raise
+        if self.fd < 0:
+            self.fd = os.open(directory / name, flags, 0o600)
+        self.size = 0  # bytes received
+        self.crcs: list[int] = []
+        self.zero = 0  # bytes of all-zero chunks not written
+        self.synced = 0
+        self.buf: mmap.mmap | None = None
+        self.fill = 0
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            if self.pages:
+                os.ftruncate(self.fd, self.size)  # trailing holes still count
+            os.close(self.fd)
+            self.fd = -1
+
+
+class ImageCapture:
+    """Receives one CRIU dump's images into `directory` (see the module's docstring).
+
+    start() before CRIU runs; finish() once CRIU has exited. Then `sums` holds, per page
+    file, (size, chunk CRCs), `zero_bytes` the all-zero chunks not written, and `error`
+    why receiving failed (CRIU then fails too: its pipes are closed on it)."""
+
+    def __init__(self, directory: Path, chunk_size: int = CHUNK_SIZE, direct: bool = True):
+        self._dir = directory
+        self._chunk_size = chunk_size
+        self._zero_crc = zlib.crc32(bytes(chunk_size))
+        self._zeros = bytes(chunk_size)
+        self._direct = direct
+        self._pool: queue.Queue[mmap.mmap] = queue.Queue()
+        # (file, offset, buffer, bytes in it, which chunks are zeros); a None buffer
+        # closes the file; None ends the writer.
+        self._writes: queue.Queue[_Write | None] = queue.Queue()
+        self._buffers = 0
+        self._criu_gone = threading.Event()
+        self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
+        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        self._receiver = threading.Thread(target=self._receive, name="cedana-capture", daemon=True)
+        self._writer = threading.Thread(target=self._write, name="cedana-capture-w", daemon=True)
+        self.sums: dict[str, tuple[int, list[int]]] = {}
+        self.zero_bytes = 0
+        self.direct_files = 0
+        self.error: str | None = None
+
+    def start(self) -> ImageCapture:
+        try:
+            self._bind()
+            self._listener.listen(1)
+        except BaseException:
+            self._close_listener()
+            raise
+        self._receiver.start()
+        self._writer.start()
+        return self
+
+    def _bind(self) -> None:
+        path = self._dir / SOCKET_NAME
+        if len(os.fsencode(str(path))) < 100:
+            self._listener.bind(str(path))
+            return
+        # Deep image directories exceed sun_path's 108 bytes: bind through a short name.
+        dfd = os.open(self._dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            self._listener.bind(f"/proc/self/fd/{dfd}/{SOCKET_NAME}")
+        finally:
+            os.close(dfd)
+
+    def finish(self) -> dict[str, tuple[int, list[int]]]:
+        """Call once CRIU has exited: waits for what its pipes still hold."""
+        self._criu_gone.set()
+        with contextlib.suppress(OSError):
+            os.write(self._wake_w, b"x")
+        self._receiver.join()
+        self._writer.join()
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+        with contextlib.suppress(OSError):
+            (self._dir / SOCKET_NAME).unlink()
+        return self.sums if self.error is None else {}
+
+    def _fail(self, why: str) -> None:
+        if self.error is None:
+            self.error = why
+
+    def _close_listener(self) -> None:
+        with contextlib.suppress(OSError):
+            self._listener.close()
+
+    # The receiving thread: CRIU's requests and pipes, multiplexed (CRIU writes several
+    # files at once: a pagemap and its pages; a pipe left unread would block it).
+
+    def _receive(self) -> None:
+        sel = selectors.DefaultSelector()
+        sinks: dict[int, _Sink] = {}
+        conn: socket.socket | None = None
+        quiet_since: float | None = None
+        try:
+            sel.register(self._wake_r, selectors.EVENT_READ, "wake")
+            sel.register(self._listener, selectors.EVENT_READ, "listen")
+            while conn is not None or sinks or not self._criu_gone.is_set():
+                events = sel.select(timeout=1.0)
+                if self.error is not None:
+                    break
+                if self._criu_gone.is_set():
+                    if conn is None and not sinks:
+                        break  # CRIU never connected (it failed before, or was killed)
+                    if events and any(key.data not in ("wake",) for key, _ in events):
+                        quiet_since = None
+                    elif quiet_since is None:
+                        quiet_since = time.monotonic()
+                    elif time.monotonic() - quiet_since > _QUIET_AFTER_EXIT_S:
+                        self._fail("CRIU exited, but an image pipe stayed open")
+                        break
+                for key, _ in events:
+                    if key.data == "wake":
+                        with contextlib.suppress(OSError):
+                            os.read(self._wake_r, 64)
+                    elif key.data == "listen":
+                        conn, _ = self._listener.accept()
+                        sel.unregister(self._listener)
+                        self._close_listener()
+                        sel.register(conn, selectors.EVENT_READ, "conn")
+                    elif key.data == "conn":
+                        assert conn is not None
+                        sink = self._accept_file(conn)
+                        if sink is None:
+                            sel.unregister(conn)
+                            conn.close()
+                            conn = None
+                        else:
+                            sinks[sink.rfd] = sink
+                            sel.register(sink.rfd, selectors.EVENT_READ, sink)
+                    else:
+                        sink = key.data
+                        if not self._pump(sink):
+                            sel.unregister(sink.rfd)
+                            del sinks[sink.rfd]
+                            self._end_file(sink)
+        except (OSError, CaptureFailed, ValueError) as e:
+            self._fail(f"{type(e).__name__}: {e}" if not isinstance(e, CaptureFailed) else str(e))
+        finally:
+            # On failure CRIU finds its pipes closed (EPIPE) and fails the dump.
+            for sink in sinks.values():
+                with contextlib.suppress(OSError):
+                    os.close(sink.rfd)
+                if sink.pages:  # the writer may be writing to it: it closes it
+                    self._writes.put((sink, sink.size, None, 0, []))
+                else:
+                    with contextlib.suppress(OSError):
+                        sink.close()
+            if conn is not None:
+                conn.close()
+            self._close_listener()
+            sel.close()
+            self._writes.put(None)
+
+    def _accept_file(self, conn: socket.socket) -> _Sink | None:
+        header = _recv_exact(conn, 4)
+        if header is None:
+            return None  # CRIU has no more files to send
+        (length,) = struct.unpack("<I", header)
+        if length > 4096:
+            raise CaptureFailed("malformed request from CRIU")
+        msg = _recv_exact(conn, length)
+        if msg is None:
+            raise CaptureFailed("CRIU hung up mid-request")
+        name = _request_name(msg)
+        _, fds, _, _ = socket.recv_fds(conn, 1, 1)
+        if len(fds) != 1:
+            for fd in fds:
+                os.close(fd)
+            raise CaptureFailed(f"CRIU sent no pipe for {name}")
+        rfd = fds[0]
+        os.set_blocking(rfd, False)
+        with contextlib.suppress(OSError):
+            fcntl.fcntl(rfd, _F_SETPIPE_SZ, _PIPE_SIZE)
+        try:
+            sink = _Sink(self._dir, name, rfd, self._direct)
+        except OSError:
+            os.close(rfd)
+            raise
+        self.direct_files += sink.direct
+        return sink
+
+    def _pump(self, sink: _Sink) -> bool:
+        """Read what the pipe holds; False at its end."""
+        if not sink.pages:
+            try:
+                data = os.read(sink.rfd, _PIPE_SIZE)
+            except BlockingIOError:
+                return True
+            if data:
+                _write_all(sink.fd, data)
+                return True
+            return False
+        while True:
+            if sink.buf is None:
+                sink.buf = self._take_buffer()
+                sink.fill = 0
+            try:
+                n = os.readv(sink.rfd, [memoryview(sink.buf)[sink.fill :]])
+            except BlockingIOError:
+                return True
+            sink.fill += n
+            if n and sink.fill < _BUF:
+                continue
+            if sink.fill:
+                self._hand_to_writer(sink)
+            if not n:
+                return False
+
+    def _take_buffer(self) -> mmap.mmap:
+        while True:
+            with contextlib.suppress(queue.Empty):
+                return self._pool.get(timeout=0.5)
+            if self.error is not None:
+                raise CaptureFailed(self.error)
+            if self._buffers < _BUFFERS:
+                self._buffers += 1
+                self._pool.put(mmap.mmap(-1, _BUF))  # page aligned, as O_DIRECT needs
+
+    def _hand_to_writer(self, sink: _Sink) -> None:
+        """Chunk CRCs and zero chunks of a full buffer, then the writer writes it."""
+        assert sink.buf is not None
+        size, n = self._chunk_size, sink.fill
+        view = memoryview(sink.buf)[:n]
+        zero: list[bool] = []
+        for at in range(0, n, size):
+            piece = view[at : at + size]
+            crc = zlib.crc32(piece)
+            sink.crcs.append(crc)
+            # Only a chunk whose CRC is that of zeros can be zeros; compare just those.
+            zero.append(crc == self._zero_crc and len(piece) == size and piece == self._zeros)
+        view.release()
+        self._writes.put((sink, sink.size, sink.buf, n, zero))
+        sink.size += n
+        sink.buf = None
+
+    def _end_file(self, sink: _Sink) -> None:
+        os.close(sink.rfd)
+        if sink.pages:
+            if sink.buf is not None:
+                self._pool.put(sink.buf)
+                sink.buf = None
+            self.sums[sink.name] = (sink.size, sink.crcs)
+            self._writes.put((sink, sink.size, None, 0, []))  # closes it, after its writes
+        else:
+            sink.close()
+
+    # The writing thread: a buffer's non-zero chunk runs go to disk while the next fills.
+
+    def _write(self) -> None:
+        while (item := self._writes.get()) is not None:
+            sink, offset, buf, n, zero = item
+            if buf is None:
+                self._guard(sink, sink.close)
+                if self.error is None:
+                    self.zero_bytes += sink.zero
+                continue
+            if self.error is None:
+                self._guard(sink, self._write_buffer, sink, offset, buf, n, zero)
+            self._pool.put(buf)
+
+    def _guard(self, sink: _Sink, work: Any, *args: Any) -> None:
+        try:
+            work(*args)
+        except OSError as e:
+            self._fail(f"writing {sink.name}: {e.strerror or e}")
+            with contextlib.suppress(OSError):
+                os.write(self._wake_w, b"x")
+
+    def _write_buffer(
+        self, sink: _Sink, offset: int, buf: mmap.mmap, end: int, zero: list[bool]
+    ) -> None:
+        view = memoryview(buf)
+        size = self._chunk_size
+        run = None
+        for i, is_zero in enumerate([*zero, True]):
+            at = i * size
+            if not is_zero and run is None:
+                run = at
+            elif is_zero and run is not None:
+                self._pwrite(sink, view[run : min(at, end)], offset + run)
+                run = None
+        sink.zero += sum(zero) * size
+        view.release()
+        if not sink.direct and offset + end - sink.synced >= _WRITEBACK_STEP:
+            start_writeback(sink.fd, sink.synced, offset + end - sink.synced)
+            sink.synced = offset + end
+
+    def _pwrite(self, sink: _Sink, data: memoryview, offset: int) -> None:
+        if sink.direct and len(data) % _DIRECT_ALIGN:
+            # A tail that is not whole blocks (never seen: CRIU writes whole pages).
+            fd = os.open(self._dir / sink.name, os.O_WRONLY | os.O_CLOEXEC)
+            try:
+                _pwrite_all(fd, data, offset)
+            finally:
+                os.close(fd)
+            return
+        _pwrite_all(sink.fd, data, offset)
+
+
+def _recv_exact(conn: socket.socket, n: int) -> bytes | None:
+    out = b""
+    while len(out) < n:
+        part = conn.recv(n - len(out))
+        if not part:
+            if out:
+                raise CaptureFailed("CRIU hung up mid-request")
+            return None
+        out += part
+    return out
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
+def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    while data:
+        n = os.pwrite(fd, data, offset)
+        data, offset = data[n:], offset + n
