@@ -81,7 +81,7 @@ def machine_info(root: Path) -> dict[str, Any]:
     }
 
 
-async def engine_at(root: Path) -> Any:
+async def engine_at(root: Path, **config: Any) -> Any:
     """The process's CheckpointEngine on checkpoint root `root`, with the CUDA helper
     started (or found missing) once, so that no suspend pays for it; None, saying why,
     where CRIU cannot be used."""
@@ -95,6 +95,8 @@ async def engine_at(root: Path) -> Any:
     CheckpointEngine.clear_instance()
     c = Config()
     c.CheckpointEngine.checkpoint_root = str(root)
+    for key, value in config.items():
+        setattr(c.CheckpointEngine, key, value)
     engine = CheckpointEngine.instance(config=c)
     if not engine.probe().available:
         print(f"cannot benchmark: {engine.probe().reason}", file=sys.stderr)
@@ -180,7 +182,7 @@ async def run(kc: Any, code: str, timeout: float = 600) -> str:
 
 async def fill(kc: Any, pid: int, nbytes: int) -> str:
     """Make the kernel's memory about `nbytes`; returns PROBE's answer."""
-    from jupyter_cedana.engine import tree_rss
+    from jupyter_cedana.dumping import tree_rss
 
     await run(kc, "import numpy as np")
     base = tree_rss(pid)

@@ -96,7 +96,7 @@ async def loaded(km: Any, kc: Any) -> None:
 
 async def main_async(args: argparse.Namespace) -> int:
     root = Path(args.root or tempfile.mkdtemp(prefix="cedana-many-", dir="/var/tmp")).resolve()
-    engine = await engine_at(root)
+    engine = await engine_at(root, stream_dump=not args.no_stream)
     if engine is None:
         return 2
     cold = can_drop_caches()
@@ -212,6 +212,11 @@ def main() -> int:
     ap.add_argument("--size", type=float, default=0.5, help="GB per kernel")
     ap.add_argument("--limits", default="1,2,4,10", help="concurrency limits to compare")
     ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument(
+        "--no-stream",
+        action="store_true",
+        help="CRIU writes the image files itself (CheckpointEngine.stream_dump = False)",
+    )
     ap.add_argument("--root", help="checkpoint root (default: a fresh dir under /var/tmp)")
     ap.add_argument("--json", default=str(ROOT / "bench" / "results" / "many.json"))
     return asyncio.run(main_async(ap.parse_args()))

@@ -190,7 +190,7 @@ async def touch_all_step(km: Any, kc: Any, expect_sum: str, lazy: bool, cold: bo
 
 
 async def bench_size(size_gb: float, repeat: int, root: Path, cold: bool) -> dict[str, Any]:
-    from jupyter_cedana.engine import tree_rss
+    from jupyter_cedana.dumping import tree_rss
 
     workdir = Path(tempfile.mkdtemp(prefix="cedana-bench-work-"))
     km, kc = await start_kernel(root, workdir)
@@ -368,7 +368,7 @@ async def main_async(args: argparse.Namespace) -> int:
         args.sizes, args.repeat = "0.1", 1
     sizes = [float(x) for x in args.sizes.split(",") if x.strip()]
     root = Path(args.root or tempfile.mkdtemp(prefix="cedana-bench-", dir="/var/tmp")).resolve()
-    engine = await engine_at(root)
+    engine = await engine_at(root, stream_dump=not args.no_stream)
     if engine is None:
         return 2
     print(f"lazy restore: {engine.lazy_unsupported() or 'yes'}")
@@ -403,6 +403,11 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes", default="0.1,1,4,8", help="kernel sizes in GB (comma-separated)")
     ap.add_argument("--repeat", type=int, default=3, help="repeats per size")
+    ap.add_argument(
+        "--no-stream",
+        action="store_true",
+        help="CRIU writes the image files itself (CheckpointEngine.stream_dump = False)",
+    )
     ap.add_argument("--root", help="checkpoint root (default: a fresh dir under /var/tmp)")
     ap.add_argument("--json", default=str(ROOT / "bench" / "results" / "suspend.json"))
     ap.add_argument("--quick", action="store_true", help="0.1 GB only, 1 repeat (CI smoke)")

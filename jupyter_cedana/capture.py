@@ -302,12 +302,14 @@ class ImageCapture:
     def _take_buffer(self) -> mmap.mmap:
         while True:
             with contextlib.suppress(queue.Empty):
+                return self._pool.get_nowait()
+            if self._buffers < _BUFFERS:
+                self._buffers += 1
+                return mmap.mmap(-1, _BUF)  # page aligned, as O_DIRECT needs
+            with contextlib.suppress(queue.Empty):
                 return self._pool.get(timeout=0.5)
             if self.error is not None:
                 raise CaptureFailed(self.error)
-            if self._buffers < _BUFFERS:
-                self._buffers += 1
-                self._pool.put(mmap.mmap(-1, _BUF))  # page aligned, as O_DIRECT needs
 
     def _hand_to_writer(self, sink: _Sink) -> None:
         """Chunk CRCs and zero chunks of a full buffer, then the writer writes it."""

@@ -15,7 +15,7 @@ from typing import Any
 
 from .crimg import dump_breakdown
 from .cuda import CudaStateLeft
-from .engine import DumpResult, dir_bytes
+from .dumping import DumpResult, dir_bytes
 from .errors import (
     Conflict,
     InsufficientStorage,

@@ -15,7 +15,6 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,26 +24,16 @@ from traitlets import Bool, Float, Integer, List, Unicode, default
 from traitlets.config import SingletonConfigurable
 
 from . import criucache
-from .capture import ImageCapture
 from .checkpoint import CheckpointStore
-from .errors import EngineUnavailable, ResumeFailed, SuspendFailed
-from .integrity import FollowingHasher
-from .procmount import MOUNT_NS_ARGS, dump_turn, own_mount_ns
+from .dumping import DumpResult, ProgressCallback, criu_dump, criu_errors
+from .errors import EngineUnavailable, ResumeFailed
+from .procmount import MOUNT_NS_ARGS, dump_turn
 
 MIN_CRIU = (4, 2)
 # Where scripts/grant-criu-caps.sh puts the copy of criu that carries file capabilities.
 GRANTED_CRIU = "/usr/local/lib/cedana/criu"
 _PACKAGE_BIN = Path(__file__).parent / "bin"
 _NO_PLUGINS = Path(__file__).parent / "criu_plugins"  # holds no .so: CRIU loads nothing
-
-ProgressCallback = Callable[[str, int | None, int | None], None]
-
-
-@dataclass
-class DumpResult:
-    seconds: float  # CRIU's run
-    sums: dict[str, tuple[int, list[int]]]  # page file -> (size, chunk CRCs), hashed meanwhile
-    zero_bytes: int  # all-zero chunks of the page files made holes
 
 
 @dataclass
@@ -54,53 +43,6 @@ class EngineInfo:
     criu_path: str | None
     criu_version: str | None
     pidns: bool
-
-
-def tree_rss(pid: int) -> int:
-    """Resident bytes of a process and its descendants: what a dump will roughly write."""
-    from .proctree import process_tree
-
-    total = 0
-    for p in process_tree(pid):
-        try:
-            with open(f"/proc/{p}/smaps_rollup") as f:
-                for line in f:
-                    if line.startswith("Rss:"):
-                        total += int(line.split()[1]) * 1024
-                        break
-        except OSError:
-            pass
-    return total
-
-
-def dir_bytes(path: Path) -> int:
-    total = 0
-    try:
-        with os.scandir(path) as it:
-            for entry in it:
-                with contextlib.suppress(OSError):
-                    total += entry.stat(follow_symlinks=False).st_size
-    except OSError:
-        pass
-    return total
-
-
-def criu_errors(log: Path, limit: int = 3) -> str:
-    """The lines of a CRIU log that say why it failed."""
-    try:
-        lines = log.read_text(errors="replace").splitlines()
-    except OSError:
-        return "no CRIU log"
-    errors = [ln[ln.index("Error (") :].strip() for ln in lines if "Error (" in ln]
-    # The first errors say why; the rest is CRIU unwinding ("exited, status=1",
-    # "Restoring FAILED"), and the rlimit line is a harmless complaint about its own limit.
-    noise = ("RLIMIT_NOFILE for self", "exited, status", "FAILED", "Unable to open fd")
-    useful = [e.split("): ", 1)[-1] for e in errors if not any(n in e for n in noise)]
-    return (
-        "; ".join(useful[:limit])
-        or "; ".join(errors[-limit:])
-        or (lines[-1] if lines else "no output")
-    )
 
 
 class CheckpointEngine(SingletonConfigurable):
@@ -428,99 +370,7 @@ class CheckpointEngine(SingletonConfigurable):
         """Dumps run concurrently, except two whose CRIU would mount /proc in the same
         directory (procmount.py)."""
         async with dump_turn(pid):
-            return await self._criu_dump(pid, images, progress)
-
-    async def _criu_dump(
-        self, pid: int, images: Path, progress: ProgressCallback | None = None
-    ) -> DumpResult:
-        """Dump the tree rooted at `pid` into `images`, leaving it stopped (not killed).
-
-        The caller kills the tree once the image is committed, or continues it (SIGCONT)
-        if anything after the dump fails: the kernel then runs on exactly as before.
-        Returns the seconds CRIU took and the (size, chunk CRCs) of the page files, hashed
-        while CRIU wrote them (with their zero chunks made holes).
-        """
-        info = self.require()
-        expected = tree_rss(pid)
-        stream = self.stream_dump
-        cmd = [
-            *self._base_args(info),
-            "dump",
-            # An explicit plugin directory: a distribution's cuda_plugin.so would otherwise
-            # checkpoint, and at restore restore and unlock, the GPU state by itself.
-            "--libdir",
-            self.plugin_dir(),
-            "-t",
-            str(pid),
-            "-D",
-            # Streaming, CRIU connects to a socket in it: relative, as sun_path is short.
-            "." if stream else str(images),
-            "-o",
-            "dump.log",
-            "-v4",
-            "--tcp-close",
-            "--leave-stopped",
-            "--ghost-limit",
-            str(self.ghost_limit),
-            "--file-locks",
-            # A client connecting to a kernel port mid-dump must not fail the dump.
-            "--skip-in-flight",
-            *(MOUNT_NS_ARGS if own_mount_ns(pid) else ()),
-            *(["--stream"] if stream else ()),
-            *self.extra_dump_args,
-        ]
-        self.log.debug("running %s", " ".join(cmd))
-        t0 = time.monotonic()
-        hasher = ImageCapture(images).start() if stream else FollowingHasher(images).start()
-        try:
-            proc = await asyncio.create_subprocess_exec(
-                *cmd,
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.PIPE,
-                env=self.criu_env(),
-                cwd=images,
-            )
-        except BaseException:
-            await asyncio.to_thread(hasher.finish)
-            raise
-        wait = asyncio.ensure_future(proc.wait())
-        try:
-            while True:
-                done, _ = await asyncio.wait({wait}, timeout=0.2)
-                if done:
-                    break
-                if progress:
-                    progress("dump", dir_bytes(images), expected or None)
-                if time.monotonic() - t0 > self.dump_timeout:
-                    proc.kill()
-                    await wait
-                    raise SuspendFailed(f"CRIU dump took longer than {self.dump_timeout:.0f} s")
-        except asyncio.CancelledError:
-            proc.kill()
-            # The caller continues the tree once CRIU has let go of it (it may have
-            # stopped it), so CRIU must be gone before this returns.
-            await asyncio.shield(wait)
-            raise
-        finally:
-            sums = await asyncio.to_thread(hasher.finish)
-        stderr = (await proc.stderr.read()).decode(errors="replace") if proc.stderr else ""
-        written = getattr(hasher, "error", None)  # why receiving the stream failed
-        if proc.returncode != 0:
-            why = criu_errors(images / "dump.log")
-            if written:
-                why = f"writing the image failed: {written}; CRIU said: {why}"
-            st = os.statvfs(images)
-            free = st.f_bavail * st.f_frsize
-            if "No space left" in why or free < (1 << 20):
-                # A full disk also swallows CRIU's own log, so say it from here.
-                why = f"no space left on the checkpoint disk ({free} bytes free); CRIU said: {why}"
-            raise SuspendFailed(
-                f"CRIU dump failed (exit {proc.returncode}): {why or stderr.strip()}"
-            )
-        if written:
-            raise SuspendFailed(f"Writing the image failed: {written}")
-        return DumpResult(time.monotonic() - t0, sums, hasher.zero_bytes)
+            return await criu_dump(self, pid, images, progress)
 
     def start_restore(
         self, images: Path, work: Path, pidfile: Path, lazy: bool = False

@@ -28,7 +28,7 @@ from traitlets import Bool, Float, Integer
 from traitlets.config import LoggingConfigurable
 
 from .adoption import PROVISIONER, Adopter
-from .engine import tree_rss
+from .dumping import tree_rss
 from .errors import CedanaError, Conflict, SuspendFailed
 from .parkrecords import (
     RECORD_FORMAT,

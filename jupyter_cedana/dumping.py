@@ -1,0 +1,169 @@
+"""CRIU dump of a kernel's process tree into an image directory, whose files are received
+(capture.py) or followed (integrity.py) as CRIU writes them."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from .capture import ImageCapture
+from .errors import SuspendFailed
+from .integrity import FollowingHasher
+from .procmount import MOUNT_NS_ARGS, own_mount_ns
+
+if TYPE_CHECKING:
+    from .engine import CheckpointEngine
+
+ProgressCallback = Callable[[str, int | None, int | None], None]
+
+
+@dataclass
+class DumpResult:
+    seconds: float  # CRIU's run
+    sums: dict[str, tuple[int, list[int]]]  # page file -> (size, chunk CRCs), hashed meanwhile
+    zero_bytes: int  # all-zero chunks of the page files made holes
+
+
+def tree_rss(pid: int) -> int:
+    """Resident bytes of a process and its descendants: what a dump will roughly write."""
+    from .proctree import process_tree
+
+    total = 0
+    for p in process_tree(pid):
+        try:
+            with open(f"/proc/{p}/smaps_rollup") as f:
+                for line in f:
+                    if line.startswith("Rss:"):
+                        total += int(line.split()[1]) * 1024
+                        break
+        except OSError:
+            pass
+    return total
+
+
+def dir_bytes(path: Path) -> int:
+    total = 0
+    try:
+        with os.scandir(path) as it:
+            for entry in it:
+                with contextlib.suppress(OSError):
+                    total += entry.stat(follow_symlinks=False).st_size
+    except OSError:
+        pass
+    return total
+
+
+def criu_errors(log: Path, limit: int = 3) -> str:
+    """The lines of a CRIU log that say why it failed."""
+    try:
+        lines = log.read_text(errors="replace").splitlines()
+    except OSError:
+        return "no CRIU log"
+    errors = [ln[ln.index("Error (") :].strip() for ln in lines if "Error (" in ln]
+    # The first errors say why; the rest is CRIU unwinding ("exited, status=1",
+    # "Restoring FAILED"), and the rlimit line is a harmless complaint about its own limit.
+    noise = ("RLIMIT_NOFILE for self", "exited, status", "FAILED", "Unable to open fd")
+    useful = [e.split("): ", 1)[-1] for e in errors if not any(n in e for n in noise)]
+    return (
+        "; ".join(useful[:limit])
+        or "; ".join(errors[-limit:])
+        or (lines[-1] if lines else "no output")
+    )
+
+
+async def criu_dump(
+    engine: CheckpointEngine, pid: int, images: Path, progress: ProgressCallback | None = None
+) -> DumpResult:
+    """Dump the tree rooted at `pid` into `images`, leaving it stopped (not killed).
+
+    The caller kills the tree once the image is committed, or continues it (SIGCONT)
+    if anything after the dump fails: the kernel then runs on exactly as before.
+    Returns the seconds CRIU took and the (size, chunk CRCs) of the page files, hashed
+    while CRIU wrote them (with their zero chunks made holes).
+    """
+    info = engine.require()
+    expected = tree_rss(pid)
+    stream = engine.stream_dump
+    cmd = [
+        *engine._base_args(info),
+        "dump",
+        # An explicit plugin directory: a distribution's cuda_plugin.so would otherwise
+        # checkpoint, and at restore restore and unlock, the GPU state by itengine.
+        "--libdir",
+        engine.plugin_dir(),
+        "-t",
+        str(pid),
+        "-D",
+        # Streaming, CRIU connects to a socket in it: relative, as sun_path is short.
+        "." if stream else str(images),
+        "-o",
+        "dump.log",
+        "-v4",
+        "--tcp-close",
+        "--leave-stopped",
+        "--ghost-limit",
+        str(engine.ghost_limit),
+        "--file-locks",
+        # A client connecting to a kernel port mid-dump must not fail the dump.
+        "--skip-in-flight",
+        *(MOUNT_NS_ARGS if own_mount_ns(pid) else ()),
+        *(["--stream"] if stream else ()),
+        *engine.extra_dump_args,
+    ]
+    engine.log.debug("running %s", " ".join(cmd))
+    t0 = time.monotonic()
+    hasher = ImageCapture(images).start() if stream else FollowingHasher(images).start()
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            *cmd,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            env=engine.criu_env(),
+            cwd=images,
+        )
+    except BaseException:
+        await asyncio.to_thread(hasher.finish)
+        raise
+    wait = asyncio.ensure_future(proc.wait())
+    try:
+        while True:
+            done, _ = await asyncio.wait({wait}, timeout=0.2)
+            if done:
+                break
+            if progress:
+                progress("dump", dir_bytes(images), expected or None)
+            if time.monotonic() - t0 > engine.dump_timeout:
+                proc.kill()
+                await wait
+                raise SuspendFailed(f"CRIU dump took longer than {engine.dump_timeout:.0f} s")
+    except asyncio.CancelledError:
+        proc.kill()
+        # The caller continues the tree once CRIU has let go of it (it may have
+        # stopped it), so CRIU must be gone before this returns.
+        await asyncio.shield(wait)
+        raise
+    finally:
+        sums = await asyncio.to_thread(hasher.finish)
+    stderr = (await proc.stderr.read()).decode(errors="replace") if proc.stderr else ""
+    written = getattr(hasher, "error", None)  # why receiving the stream failed
+    if proc.returncode != 0:
+        why = criu_errors(images / "dump.log")
+        if written:
+            why = f"writing the image failed: {written}; CRIU said: {why}"
+        st = os.statvfs(images)
+        free = st.f_bavail * st.f_frsize
+        if "No space left" in why or free < (1 << 20):
+            # A full disk also swallows CRIU's own log, so say it from here.
+            why = f"no space left on the checkpoint disk ({free} bytes free); CRIU said: {why}"
+        raise SuspendFailed(f"CRIU dump failed (exit {proc.returncode}): {why or stderr.strip()}")
+    if written:
+        raise SuspendFailed(f"Writing the image failed: {written}")
+    return DumpResult(time.monotonic() - t0, sums, hasher.zero_bytes)
