@@ -226,8 +226,8 @@ class ImageCapture:
                             sel.unregister(sink.rfd)
                             del sinks[sink.rfd]
                             self._end_file(sink)
-        except (OSError, CaptureFailed, ValueError) as e:
-            self._fail(f"{type(e).__name__}: {e}" if not isinstance(e, CaptureFailed) else str(e))
+        except Exception as e:  # any failure must fail the dump, not hang it
+            self._fail(str(e) if isinstance(e, CaptureFailed) else f"{type(e).__name__}: {e}")
         finally:
             # On failure CRIU finds its pipes closed (EPIPE) and fails the dump.
             for sink in sinks.values():
@@ -356,8 +356,9 @@ class ImageCapture:
     def _guard(self, sink: _Sink, work: Any, *args: Any) -> None:
         try:
             work(*args)
-        except OSError as e:
-            self._fail(f"writing {sink.name}: {e.strerror or e}")
+        except Exception as e:  # the receiver must learn of any failure
+            why = e.strerror if isinstance(e, OSError) and e.strerror else e
+            self._fail(f"writing {sink.name}: {why}")
             with contextlib.suppress(OSError):
                 os.write(self._wake_w, b"x")
 

@@ -63,6 +63,29 @@ print(json.dumps({
 """
 
 
+async def test_criu_writing_the_image_itself_keeps_state_too(kernel) -> None:
+    """CheckpointEngine.stream_dump = False: CRIU writes the files through the page cache
+    and they are hashed as they grow (integrity.FollowingHasher), instead of capture.py."""
+    kc = kernel.test_client
+    prov = kernel.provisioner
+    prov.engine.stream_dump = False
+    reply, out = await run(kc, STATE_SETUP)
+    assert reply["status"] == "ok", out
+    await prov.suspend()
+    manifest = prov.engine.store.read_manifest(kernel.kernel_id)
+    assert any("chunks" in m for m in manifest["files"].values())
+    await prov.resume()
+    await prov.memory_loaded()
+    await wait_iopub(kc)
+    reply, out = await run(kc, STATE_CHECK)
+    got = json.loads(out.strip().splitlines()[-1])
+    assert (got["i"], got["arr_sum"], got["counting"]) == (
+        12345678901234,
+        float(sum(range(1_000_000)) * 1.5),
+        True,
+    )
+
+
 async def test_suspend_resume_keeps_state(kernel, checkpoint_root: Path) -> None:
     kc = kernel.test_client
     reply, out = await run(kc, STATE_SETUP)
