@@ -31,6 +31,7 @@ import zlib
 from pathlib import Path
 from typing import Any
 
+from .crimg import decode
 from .integrity import CHUNK_SIZE, is_page_file, start_writeback
 
 SOCKET_NAME = "streamer-capture.sock"  # CRIU's img-streamer.c
@@ -51,22 +52,16 @@ class CaptureFailed(Exception):
 
 def _request_name(msg: bytes) -> str:
     """The `filename` (field 1, a string) of an img_streamer_request_entry."""
-    if not msg or msg[0] != 0x0A:
+    try:
+        fields = decode(msg)
+    except ValueError as e:
+        raise CaptureFailed(f"malformed request from CRIU: {e}") from None
+    names = fields.get(1, [])
+    if set(fields) != {1} or len(names) != 1 or not isinstance(names[0], bytes):
         raise CaptureFailed("malformed request from CRIU")
-    n = shift = 0
-    i = 1
-    while True:
-        if i >= len(msg):
-            raise CaptureFailed("malformed request from CRIU")
-        b = msg[i]
-        i += 1
-        n |= (b & 0x7F) << shift
-        shift += 7
-        if not b & 0x80:
-            break
-    name = msg[i : i + n].decode()
+    name = names[0].decode(errors="replace")
     # Names come from CRIU, but a file is created for each: only plain names, here.
-    if len(msg) != i + n or not name or "/" in name or name in (".", "..", SOCKET_NAME):
+    if not name or "/" in name or name in (".", "..", SOCKET_NAME):
         raise CaptureFailed(f"CRIU asked for an unexpected image name {name!r}")
     return name
 
