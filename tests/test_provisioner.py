@@ -581,10 +581,12 @@ async def test_the_kernel_sees_its_own_processes_in_proc(kernel) -> None:
     namespace): PID lookups find the kernel itself, before and after a suspend."""
     if not kernel.provisioner.engine.pidns:
         pytest.skip("kernels share the server's PID namespace (not root)")
+    # The same process: pid, comm, ppid and start time (CPU times move between reads).
     code = (
         "import os\n"
+        "who = lambda s: [s.split()[i] for i in (0, 1, 3, 21)]\n"
         "stat = open(f'/proc/{os.getpid()}/stat').read()\n"
-        "print(os.getpid(), stat.split()[1], open('/proc/self/stat').read() == stat)"
+        "print(os.getpid(), stat.split()[1], who(open('/proc/self/stat').read()) == who(stat))"
     )
     for _ in range(2):
         reply, out = await run(kernel.test_client, code)
