@@ -27,23 +27,21 @@ import socket
 import struct
 import threading
 import time
-import zlib
 from pathlib import Path
 from typing import Any
 
 from .crimg import decode
-from .integrity import CHUNK_SIZE, is_page_file, start_writeback
+from .integrity import CHUNK_SIZE, ChunkHasher, is_page_file, start_writeback
 
 SOCKET_NAME = "streamer-capture.sock"  # CRIU's img-streamer.c
 _BUF = 4 << 20
 _BUFFERS = 4  # per capture: the writer may hold 3 while the receiver fills one
 _PIPE_SIZE = 1 << 20  # CRIU's own page pipes' size: one splice per pipe-full
 _F_SETPIPE_SZ = 1031
-_DIRECT_ALIGN = 4096
 _WRITEBACK_STEP = 32 << 20
 _QUIET_AFTER_EXIT_S = 10.0  # CRIU gone, yet a pipe neither closed nor fed: give up
 
-_Write = tuple["_Sink", int, "mmap.mmap | None", int, list[bool]]
+_Write = tuple["_Sink", int, "mmap.mmap | None", int, set[int]]
 
 
 class CaptureFailed(Exception):
@@ -69,7 +67,7 @@ def _request_name(msg: bytes) -> str:
 class _Sink:
     """One image file being received."""
 
-    def __init__(self, directory: Path, name: str, rfd: int, direct: bool):
+    def __init__(self, directory: Path, name: str, rfd: int, direct: bool, chunk_size: int):
         self.name, self.rfd = name, rfd
         self.pages = is_page_file(name)
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
@@ -84,12 +82,15 @@ class _Sink:
                     raise
         if self.fd < 0:
             self.fd = os.open(directory / name, flags, 0o600)
-        self.size = 0  # bytes received
-        self.crcs: list[int] = []
+        self.hasher = ChunkHasher(chunk_size)  # page files: every byte received
         self.zero = 0  # bytes of all-zero chunks not written
         self.synced = 0
         self.buf: mmap.mmap | None = None
         self.fill = 0
+
+    @property
+    def size(self) -> int:
+        return self.hasher.size
 
     def close(self) -> None:
         if self.fd >= 0:
@@ -109,11 +110,10 @@ class ImageCapture:
     def __init__(self, directory: Path, chunk_size: int = CHUNK_SIZE, direct: bool = True):
         self._dir = directory
         self._chunk_size = chunk_size
-        self._zero_crc = zlib.crc32(bytes(chunk_size))
         self._zeros = bytes(chunk_size)
         self._direct = direct
         self._pool: queue.Queue[mmap.mmap] = queue.Queue()
-        # (file, offset, buffer, bytes in it, which chunks are zeros); a None buffer
+        # (file, offset, buffer, bytes in it, its chunks that are zeros); a None buffer
         # closes the file; None ends the writer.
         self._writes: queue.Queue[_Write | None] = queue.Queue()
         self._buffers = 0
@@ -229,7 +229,7 @@ class ImageCapture:
                 with contextlib.suppress(OSError):
                     os.close(sink.rfd)
                 if sink.pages:  # the writer may be writing to it: it closes it
-                    self._writes.put((sink, sink.size, None, 0, []))
+                    self._writes.put((sink, sink.size, None, 0, set()))
                 else:
                     with contextlib.suppress(OSError):
                         sink.close()
@@ -260,7 +260,7 @@ class ImageCapture:
         with contextlib.suppress(OSError):
             fcntl.fcntl(rfd, _F_SETPIPE_SZ, _PIPE_SIZE)
         try:
-            sink = _Sink(self._dir, name, rfd, self._direct)
+            sink = _Sink(self._dir, name, rfd, self._direct, self._chunk_size)
         except OSError:
             os.close(rfd)
             raise
@@ -309,18 +309,19 @@ class ImageCapture:
     def _hand_to_writer(self, sink: _Sink) -> None:
         """Chunk CRCs and zero chunks of a full buffer, then the writer writes it."""
         assert sink.buf is not None
-        size, n = self._chunk_size, sink.fill
+        size, n, offset = self._chunk_size, sink.fill, sink.size
         view = memoryview(sink.buf)[:n]
-        zero: list[bool] = []
-        for at in range(0, n, size):
-            piece = view[at : at + size]
-            crc = zlib.crc32(piece)
-            sink.crcs.append(crc)
-            # Only a chunk whose CRC is that of zeros can be zeros; compare just those.
-            zero.append(crc == self._zero_crc and len(piece) == size and piece == self._zeros)
+        seen = len(sink.hasher.maybe_zero)
+        sink.hasher.update(view)
+        # Only a chunk whose CRC is that of zeros can be zeros; compare just those.
+        first = offset // size
+        zero = {
+            k
+            for k in (i - first for i in sink.hasher.maybe_zero[seen:])
+            if view[k * size : (k + 1) * size] == self._zeros
+        }
         view.release()
-        self._writes.put((sink, sink.size, sink.buf, n, zero))
-        sink.size += n
+        self._writes.put((sink, offset, sink.buf, n, zero))
         sink.buf = None
 
     def _end_file(self, sink: _Sink) -> None:
@@ -329,8 +330,8 @@ class ImageCapture:
             if sink.buf is not None:
                 self._pool.put(sink.buf)
                 sink.buf = None
-            self.sums[sink.name] = (sink.size, sink.crcs)
-            self._writes.put((sink, sink.size, None, 0, []))  # closes it, after its writes
+            self.sums[sink.name] = (sink.size, sink.hasher.crcs())
+            self._writes.put((sink, sink.size, None, 0, set()))  # closes it, after its writes
         else:
             sink.close()
 
@@ -358,34 +359,23 @@ class ImageCapture:
                 os.write(self._wake_w, b"x")
 
     def _write_buffer(
-        self, sink: _Sink, offset: int, buf: mmap.mmap, end: int, zero: list[bool]
+        self, sink: _Sink, offset: int, buf: mmap.mmap, end: int, zero: set[int]
     ) -> None:
         view = memoryview(buf)
         size = self._chunk_size
+        chunks = -(-end // size)
         run = None
-        for i, is_zero in enumerate([*zero, True]):
-            at = i * size
-            if not is_zero and run is None:
-                run = at
-            elif is_zero and run is not None:
-                self._pwrite(sink, view[run : min(at, end)], offset + run)
+        for i in range(chunks + 1):
+            if i < chunks and i not in zero:
+                run = i * size if run is None else run
+            elif run is not None:
+                _pwrite_all(sink.fd, view[run : min(i * size, end)], offset + run)
                 run = None
-        sink.zero += sum(zero) * size
+        sink.zero += len(zero) * size
         view.release()
         if not sink.direct and offset + end - sink.synced >= _WRITEBACK_STEP:
             start_writeback(sink.fd, sink.synced, offset + end - sink.synced)
             sink.synced = offset + end
-
-    def _pwrite(self, sink: _Sink, data: memoryview, offset: int) -> None:
-        if sink.direct and len(data) % _DIRECT_ALIGN:
-            # A tail that is not whole blocks (never seen: CRIU writes whole pages).
-            fd = os.open(self._dir / sink.name, os.O_WRONLY | os.O_CLOEXEC)
-            try:
-                _pwrite_all(fd, data, offset)
-            finally:
-                os.close(fd)
-            return
-        _pwrite_all(sink.fd, data, offset)
 
 
 def _recv_exact(conn: socket.socket, n: int) -> bytes | None:

@@ -92,10 +92,10 @@ async def criu_dump(
     expected = tree_rss(pid)
     stream = engine.stream_dump
     cmd = [
-        *engine._base_args(info),
+        *engine.base_args(info),
         "dump",
         # An explicit plugin directory: a distribution's cuda_plugin.so would otherwise
-        # checkpoint, and at restore restore and unlock, the GPU state by itengine.
+        # checkpoint, and at restore restore and unlock, the GPU state by itself.
         "--libdir",
         engine.plugin_dir(),
         "-t",
@@ -153,16 +153,16 @@ async def criu_dump(
     finally:
         sums = await asyncio.to_thread(hasher.finish)
     stderr = (await proc.stderr.read()).decode(errors="replace") if proc.stderr else ""
-    written = getattr(hasher, "error", None)  # why receiving the stream failed
+    written = hasher.error if isinstance(hasher, ImageCapture) else None
     if proc.returncode != 0:
         why = criu_errors(images / "dump.log")
-        if written:
-            why = f"writing the image failed: {written}; CRIU said: {why}"
+        if written:  # CRIU failed because its pipes were closed on it: say why
+            why = f"writing the image failed: {written} (CRIU: {why})"
         st = os.statvfs(images)
         free = st.f_bavail * st.f_frsize
         if "No space left" in why or free < (1 << 20):
             # A full disk also swallows CRIU's own log, so say it from here.
-            why = f"no space left on the checkpoint disk ({free} bytes free); CRIU said: {why}"
+            why = f"no space left on the checkpoint disk ({free} bytes free): {why}"
         raise SuspendFailed(f"CRIU dump failed (exit {proc.returncode}): {why or stderr.strip()}")
     if written:
         raise SuspendFailed(f"Writing the image failed: {written}")
