@@ -1,5 +1,5 @@
-"""Suspend manager: the policy loop, the REST-facing view of every kernel, and the one
-place where suspends and resumes are started.
+"""Suspend manager: the policy loop, the facts the policy and the REST view of every
+kernel (kernel_view.py) read, and the one place where suspends and resumes are started.
 
 handlers → SuspendManager → CedanaProvisioner → CheckpointEngine
 """
@@ -24,6 +24,7 @@ from .checkpoint import validate_kernel_id
 from .engine import CheckpointEngine
 from .errors import CedanaError, Conflict, EngineUnavailable, InsufficientStorage, NotFound
 from .kernel_events import EVENT_SCHEMA, EVENT_SCHEMA_FILE, KernelEvents
+from .kernel_view import kernel_view
 from .limits import (
     Budget,
     SuspendLimits,
@@ -41,12 +42,6 @@ from .status import server_status
 MAX_KEEP_AWAKE = 7 * 24 * 3600
 
 __all__ = ["EVENT_SCHEMA", "EVENT_SCHEMA_FILE", "SuspendManager"]
-
-
-def _iso(ts: float | None) -> str | None:
-    if ts is None:
-        return None
-    return dt.datetime.fromtimestamp(ts, tz=dt.timezone.utc).isoformat()
 
 
 class SuspendManager(LoggingConfigurable):
@@ -151,14 +146,14 @@ class SuspendManager(LoggingConfigurable):
 
     # -- lookups --------------------------------------------------------------------------
 
-    def _kernel(self, kernel_id: str) -> Any:
+    def kernel(self, kernel_id: str) -> Any:
         validate_kernel_id(kernel_id)
         try:
             return self.kernel_manager.get_kernel(kernel_id)
         except KeyError:
             raise NotFound(f"No kernel with id {kernel_id}") from None
 
-    def _provisioner(self, kernel: Any) -> CedanaProvisioner | None:
+    def provisioner_of(self, kernel: Any) -> CedanaProvisioner | None:
         prov = getattr(kernel, "provisioner", None)
         if isinstance(prov, CedanaProvisioner):
             if id(prov) not in self._attached:
@@ -173,7 +168,7 @@ class SuspendManager(LoggingConfigurable):
             kernel = self.kernel_manager.get_kernel(kernel_id)
         except KeyError:
             return "unknown"
-        prov = self._provisioner(kernel)
+        prov = self.provisioner_of(kernel)
         return prov.state.value if prov else KernelState.running.value
 
     # -- facts, view ----------------------------------------------------------------------
@@ -184,9 +179,17 @@ class SuspendManager(LoggingConfigurable):
             return 0.0
         return max(0.0, (dt.datetime.now(dt.timezone.utc) - last).total_seconds())
 
-    def _facts(self, kernel_id: str, kernel: Any) -> KernelFacts:
-        prov = self._provisioner(kernel)
-        gpus = self._gpus.get(kernel_id, [])
+    def gpus_of(self, kernel_id: str) -> list[Any]:
+        """The kernel's GPUs as last sampled (GpuMonitor)."""
+        return self._gpus.get(kernel_id, [])
+
+    def keep_awake_until(self, kernel_id: str) -> float | None:
+        return self._keep_awake.get(kernel_id)
+
+    def facts(self, kernel_id: str, kernel: Any) -> KernelFacts:
+        """What the policy decides on."""
+        prov = self.provisioner_of(kernel)
+        gpus = self.gpus_of(kernel_id)
         extra = []
         info = self.engine.probe()
         if not info.available:
@@ -217,53 +220,8 @@ class SuspendManager(LoggingConfigurable):
         )
 
     def view(self, kernel_id: str) -> dict[str, Any]:
-        kernel = self._kernel(kernel_id)
-        prov = self._provisioner(kernel)
-        facts = self._facts(kernel_id, kernel)
-        decision = self.policy.decide(facts)
-        now = time.time()
-        last = getattr(kernel, "last_activity", None)
-        state = facts.state
-        setback = self.backoff.blocking(kernel_id, last) if state == "running" else None
-        reason = None
-        if setback is not None:
-            reason = setback.describe()
-        elif prov is not None and prov.reason:
-            reason = prov.reason
-        elif decision.reason and decision.action is None:
-            reason = decision.reason
-        suspendable = state == "running" and prov is not None and self.engine.probe().available
-        if prov is None:
-            reason = reason or "not started by cedana-provisioner (its kernelspec opts out)"
-        elif not self.engine.probe().available:
-            reason = f"checkpointing unavailable: {self.engine.probe().reason}"
-        keep = self._keep_awake.get(kernel_id)
-        gpus = self._gpus.get(kernel_id, [])
-        suspend_at = None
-        if state == "running" and decision.due_in is not None:
-            due = now + decision.due_in
-            suspend_at = _iso(max(due, setback.retry_at) if setback is not None else due)
-        return {
-            "id": kernel_id,
-            "name": facts.kernelspec,
-            "state": state,
-            "tier": prov.tier if prov else None,
-            "execution_state": facts.execution_state,
-            "last_activity": last.isoformat() if last is not None else None,
-            "idle_seconds": round(facts.idle_seconds, 3),
-            "suspend_at": suspend_at,
-            "suspended_at": _iso(prov.suspended_at) if prov else None,
-            "keep_awake_until": _iso(keep) if keep and keep > now else None,
-            "checkpoint_bytes": prov.checkpoint_bytes if prov else 0,
-            "last_suspend_seconds": prov.last_suspend_seconds if prov else None,
-            "last_resume_seconds": prov.last_resume_seconds if prov else None,
-            "gpus": [g.to_json() for g in gpus],
-            "suspendable": suspendable,
-            "reason": reason,
-            "progress": prov.progress.to_json() if prov and prov.progress else None,
-            "queued": self.queue.queued(kernel_id),
-            "backoff": setback.to_json() if setback is not None else None,
-        }
+        """The kernel as the REST API shows it (kernel_view.py)."""
+        return kernel_view(self, kernel_id)
 
     def list_kernels(self) -> list[dict[str, Any]]:
         views = []
@@ -278,7 +236,7 @@ class SuspendManager(LoggingConfigurable):
     # -- actions --------------------------------------------------------------------------
 
     def _managed(self, kernel_id: str) -> CedanaProvisioner:
-        prov = self._provisioner(self._kernel(kernel_id))
+        prov = self.provisioner_of(self.kernel(kernel_id))
         if prov is None:
             raise Conflict(
                 f"Kernel {kernel_id} was not started by cedana-provisioner and cannot be suspended"
@@ -359,7 +317,7 @@ class SuspendManager(LoggingConfigurable):
             kernel = self.kernel_manager.get_kernel(kernel_id)
         except KeyError:
             return False
-        decision = self.policy.decide(self._facts(kernel_id, kernel))
+        decision = self.policy.decide(self.facts(kernel_id, kernel))
         return (
             decision.action == tier
             and not self._guarded(kernel_id)
@@ -434,7 +392,7 @@ class SuspendManager(LoggingConfigurable):
             await self.resume(kernel_id)
 
     def keep_awake(self, kernel_id: str, seconds: float) -> dict[str, Any]:
-        self._kernel(kernel_id)
+        self.kernel(kernel_id)
         if not 0 <= seconds <= MAX_KEEP_AWAKE:
             raise CedanaError(
                 f"seconds must be between 0 and {MAX_KEEP_AWAKE}", code="bad_request", status=400
@@ -466,12 +424,12 @@ class SuspendManager(LoggingConfigurable):
                 kernel = self.kernel_manager.get_kernel(kid)
             except KeyError:
                 continue
-            prov = self._provisioner(kernel)
+            prov = self.provisioner_of(kernel)
             if prov is not None and prov.state == KernelState.suspended:
                 suspended += 1
                 freed += prov.gpu_memory_freed
                 metrics.GPU_SECONDS_RECLAIMED.inc(self._gpus_before_suspend.get(kid, 0) * elapsed)
-            decision = self.policy.decide(self._facts(kid, kernel))
+            decision = self.policy.decide(self.facts(kid, kernel))
             if decision.action is None or self.transition_pending(kid):
                 continue
             if decision.action != "shutdown" and (self._guarded(kid) or _between(kernel)):
@@ -499,7 +457,7 @@ class SuspendManager(LoggingConfigurable):
         trees: dict[str, set[int]] = {}
         for kid in ids:
             with contextlib.suppress(KeyError):
-                prov = self._provisioner(self.kernel_manager.get_kernel(kid))
+                prov = self.provisioner_of(self.kernel_manager.get_kernel(kid))
                 if prov is not None and prov.state == KernelState.running and prov.pid:
                     trees[kid] = process_tree(prov.pid)
         try:
@@ -516,7 +474,7 @@ class SuspendManager(LoggingConfigurable):
         """jupyter_server's culler may shut a kernel down only if it is running, or if it
         has been suspended for longer than the retention time."""
         try:
-            prov = self._provisioner(self.kernel_manager.get_kernel(kernel_id))
+            prov = self.provisioner_of(self.kernel_manager.get_kernel(kernel_id))
         except KeyError:
             return True
         if prov is None or prov.state == KernelState.running:

@@ -137,7 +137,7 @@ def due(mgr: Any, kid: str) -> Callable[[], Awaitable[bool]]:
 
     async def check() -> bool:
         kernel = mgr.kernel_manager.get_kernel(kid)
-        return mgr.policy.decide(mgr._facts(kid, kernel)).action is not None
+        return mgr.policy.decide(mgr.facts(kid, kernel)).action is not None
 
     return check
 
