@@ -15,72 +15,24 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import json
-import re
 import shutil
 import sys
 import urllib.parse
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any, NoReturn
 
-from . import store_gc
 from ._version import __version__
-from .checkpoint import CheckpointStore
+from .cli_gc import cmd_gc
+from .cli_text import emit_json, format_table, human_bytes, human_seconds, parse_duration
 from .serverclient import (
     EXIT_ERROR,
-    EXIT_NO_SERVER,
     EXIT_OK,
     EXIT_USAGE,
     ApiError,
     Client,
     CliError,
-    Server,
     find_server,
-    running_servers,
-    same_url,
 )
-
-
-def human_bytes(n: int | float | None) -> str:
-    if n is None:
-        return "-"
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(value) < 1024 or unit == "TiB":
-            return f"{int(value)} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    return f"{value:.1f} TiB"  # pragma: no cover
-
-
-def human_seconds(s: float | None) -> str:
-    if s is None:
-        return "-"
-    s = max(0.0, float(s))
-    if s < 60:
-        return f"{s:.0f}s"
-    m, sec = divmod(int(s), 60)
-    if m < 60:
-        return f"{m}m{sec:02d}s"
-    h, m = divmod(m, 60)
-    if h < 24:
-        return f"{h}h{m:02d}m"
-    d, h = divmod(h, 24)
-    return f"{d}d{h:02d}h"
-
-
-_DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([smhd]?)\s*$")
-
-
-def parse_duration(text: str) -> float:
-    """Seconds from '90', '90s', '15m', '2h' or '1d'."""
-    m = _DURATION_RE.match(text)
-    if not m:
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is not a duration (seconds, or a number with s, m, h or d)"
-        )
-    factor = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}[m.group(2)]
-    return float(m.group(1)) * factor
 
 
 def _state(k: dict[str, Any]) -> str:
@@ -112,24 +64,7 @@ def kernel_row(k: dict[str, Any]) -> list[str]:
     ]
 
 
-def format_table(headers: Sequence[str], rows: Sequence[Sequence[str]], width: int = 0) -> str:
-    """Left-aligned columns; the last column is cut to `width` when one is given."""
-    widths = [max(len(str(r[i])) for r in [headers, *rows]) for i in range(len(headers))]
-    lines = []
-    for row in [headers, *rows]:
-        cells = [str(c).ljust(w) for c, w in zip(row[:-1], widths[:-1], strict=True)]
-        line = "  ".join([*cells, str(row[-1])]).rstrip()
-        if width and len(line) > width:
-            line = line[: max(width - 1, 0)] + "…"
-        lines.append(line)
-    return "\n".join(lines)
-
-
 KERNEL_HEADERS = ["ID", "KERNELSPEC", "STATE", "IDLE", "GPU MEM", "CHECKPOINT", "REASON"]
-
-
-def _emit_json(data: Any) -> None:
-    print(json.dumps(data, indent=2, sort_keys=True))
 
 
 # -- commands -----------------------------------------------------------------------------
@@ -164,7 +99,7 @@ def resolve_kernel_id(client: Client, kernel_id: str) -> str:
 def cmd_list(args: argparse.Namespace, client: Client) -> int:
     kernels = client.get("kernels")
     if args.json:
-        _emit_json(kernels)
+        emit_json(kernels)
         return EXIT_OK
     if not kernels:
         print("No kernels.")
@@ -177,7 +112,7 @@ def cmd_list(args: argparse.Namespace, client: Client) -> int:
 def cmd_status(args: argparse.Namespace, client: Client) -> int:
     st = client.get("status")
     if args.json:
-        _emit_json(st)
+        emit_json(st)
         return EXIT_OK
     if st.get("available"):
         ns = "kernels in their own PID namespace" if st.get("root") else "no PID namespace"
@@ -253,7 +188,7 @@ def cmd_suspend(args: argparse.Namespace, client: Client) -> int:
         timeout=args.timeout if args.timeout else 3600,
     )
     if args.json:
-        _emit_json(k)
+        emit_json(k)
     elif status == 202 or k.get("state") == "suspending":
         print(f"Kernel {kid} is {_state(k)}; `jupyter cedana list` shows when it is done.")
     elif k.get("state") == "suspended":
@@ -277,7 +212,7 @@ def cmd_resume(args: argparse.Namespace, client: Client) -> int:
         timeout=args.timeout if args.timeout else 3600,
     )
     if args.json:
-        _emit_json(k)
+        emit_json(k)
     elif status == 202 or k.get("state") == "resuming":
         print(f"Kernel {kid} is {_state(k)}; `jupyter cedana list` shows when it is done.")
     elif k.get("state") == "running":
@@ -295,135 +230,13 @@ def cmd_keep_awake(args: argparse.Namespace, client: Client) -> int:
     kid = resolve_kernel_id(client, args.kernel_id)
     _, k = client.post(_kernel_path(kid, "keep-awake"), body={"seconds": args.seconds})
     if args.json:
-        _emit_json(k)
+        emit_json(k)
     elif k.get("keep_awake_until"):
         until = dt.datetime.fromisoformat(k["keep_awake_until"]).astimezone()
         print(f"Kernel {kid} is kept awake until {until:%Y-%m-%d %H:%M:%S %Z}.")
     else:
         print(f"Kernel {kid}: keep-awake cleared.")
     return EXIT_OK
-
-
-# -- gc -----------------------------------------------------------------------------------
-
-
-def _resolved(path: str) -> str:
-    return str(Path(path).expanduser().resolve())
-
-
-def _owned_kernels(
-    servers: list[Server], root: str, timeout: float
-) -> tuple[set[str], list[str], int]:
-    """Kernel ids of every server whose checkpoint root is `root`; the servers that could
-    not be asked; how many servers share the root."""
-    keep: set[str] = set()
-    failed: list[str] = []
-    sharing = 0
-    for server in servers:
-        client = Client(server, timeout=timeout)
-        try:
-            st = client.get("status")
-        except CliError as e:
-            if e.code == "no_extension":
-                continue  # without jupyter-cedana a server owns no image
-            failed.append(f"{server.label}: {e.message}")
-            continue
-        if _resolved(str(st.get("checkpoint_root", ""))) != root:
-            continue
-        sharing += 1
-        try:
-            keep.update(str(k["id"]) for k in client.get("kernels"))
-        except CliError as e:
-            failed.append(f"{server.label}: {e.message}")
-    return keep, failed, sharing
-
-
-def cmd_gc(args: argparse.Namespace) -> int:
-    servers: list[Server] = []
-    own: set[str] = set()
-    if args.root:
-        root = _resolved(args.root)
-        servers = [s for s in running_servers() if s.url]
-    else:
-        selected = find_server(args.url, args.token)
-        client = Client(selected, timeout=args.timeout or 30)
-        root = _resolved(str(client.get("status")["checkpoint_root"]))
-        # The selected server must answer; others sharing its root are asked below.
-        own = {str(k["id"]) for k in client.get("kernels")}
-        servers = [s for s in running_servers() if s.url and not same_url(s.url, selected.url)]
-    if not Path(root).is_dir():
-        if args.root:
-            raise CliError(f"{root} is not a directory", EXIT_USAGE, "bad_root")
-        # No kernel has been started with it yet, or the server runs on another machine.
-        print(
-            f"Nothing to remove: {root} does not exist here (a server on another machine "
-            "is cleaned by running `jupyter cedana gc` there, as its user).",
-            file=sys.stderr,
-        )
-        if args.json:
-            _emit_json({"checkpoint_root": root, "dry_run": bool(args.dry_run), "removed": []})
-        return EXIT_OK
-    keep, failed, sharing = _owned_kernels(servers, root, args.timeout or 30)
-    if not args.root:
-        keep |= own
-        sharing += 1
-    if failed and not args.force:
-        raise CliError(
-            "Cannot tell which kernels these servers own, so their images could be "
-            "removed by mistake: "
-            + "; ".join(failed)
-            + ". Stop them, or pass --force to go on without them.",
-            EXIT_NO_SERVER,
-            "no_server",
-        )
-    store = CheckpointStore(root)
-    found = store_gc.plan(store, keep)
-    plan = found.remove
-    if args.root and plan and not args.dry_run and not args.yes:
-        images = sum(1 for p in plan if p.kind == "image")
-        question = (
-            f"Remove {images} checkpoint image(s) and {len(plan) - images} leftover(s) "
-            f"({human_bytes(sum(p.bytes for p in plan))}) under {root}"
-        )
-        if sharing:
-            question += f" (keeping the {len(keep)} kernel(s) of {sharing} running server(s))"
-        if not sys.stdin.isatty():
-            raise CliError(f"{question}? Refusing without --yes.", EXIT_USAGE, "not_confirmed")
-        answer = input(f"{question}? [y/N] ").strip().lower()
-        if answer not in ("y", "yes"):
-            print("Nothing removed.")
-            return EXIT_OK
-    removed, errors = (plan, []) if args.dry_run else store_gc.apply(plan)
-    for error in errors:
-        print(error, file=sys.stderr)
-    if args.json:
-        _emit_json(
-            {
-                "checkpoint_root": root,
-                "dry_run": bool(args.dry_run),
-                "kept_kernels": sorted(keep),
-                "removed": [item.to_json() for item in removed],
-                "left_alone": [item.to_json() for item in found.foreign],
-            }
-        )
-    else:
-        if found.foreign:
-            print(
-                f"Left alone {len(found.foreign)} entr{'y' if len(found.foreign) == 1 else 'ies'}"
-                f" under {root} that jupyter-cedana cannot prove it wrote "
-                f"(e.g. {found.foreign[0].path.name}: {found.foreign[0].why}).",
-                file=sys.stderr,
-            )
-        verb = "Would remove" if args.dry_run else "Removed"
-        for item in removed:
-            what = f"{item.kind} of kernel {item.kernel_id}" if item.kernel_id else item.kind
-            print(f"{verb} {what}: {item.path} ({human_bytes(item.bytes)})")
-        if not removed:
-            print(f"Nothing to remove under {root}.")
-        else:
-            total = human_bytes(sum(item.bytes for item in removed))
-            print(f"{verb} {len(removed)} item(s), {total}.")
-    return EXIT_OK if len(removed) == len(plan) else EXIT_ERROR
 
 
 # -- entry point --------------------------------------------------------------------------
@@ -521,7 +334,7 @@ COMMANDS = {
 
 def _fail(e: CliError, as_json: bool) -> NoReturn:
     if as_json:
-        _emit_json({"code": e.code, "message": e.message, "status": getattr(e, "status", None)})
+        emit_json({"code": e.code, "message": e.message, "status": getattr(e, "status", None)})
     print(f"jupyter cedana: error: {e.message}", file=sys.stderr)
     raise SystemExit(e.exit_code)
 
