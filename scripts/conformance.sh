@@ -45,7 +45,9 @@ fetch() { # name version -> unpacked source dir
   local dir=$CACHE/src/$1-$2
   if [ ! -d "$dir/tests" ]; then
     mkdir -p "$CACHE/src"
-    "$VPY" -m pip download -q --no-deps --no-binary :all: -d "$CACHE/sdist" "$1==$2" >&2
+    # --no-binary for this package only: pip builds the sdist's metadata, and its build
+    # dependencies (hatchling...) then come as wheels, not all built from source too.
+    "$VPY" -m pip download -q --no-deps --no-binary "$1" -d "$CACHE/sdist" "$1==$2" >&2
     tar -xzf "$CACHE/sdist/$1-$2.tar.gz" -C "$CACHE/src"
   fi
   echo "$dir"
