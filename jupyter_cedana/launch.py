@@ -47,3 +47,15 @@ def check_executable(
     if denied is not None:
         raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), exe)
     raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), exe)
+
+
+def output_tail(path: Path, limit: int = 4096) -> str:
+    """The end of a kernel's stdout and stderr (its log file), for the server's log when
+    it dies: launched by the stock provisioner, that output would be on the server's
+    terminal."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, os.fstat(f.fileno()).st_size - limit))
+            return f.read().decode("utf-8", "replace").strip()
+    except OSError:
+        return ""

@@ -24,7 +24,7 @@ from jupyter_client.provisioning import LocalProvisioner
 from .adoption import claim_adoption
 from .checkpointing import Checkpointing
 from .errors import Conflict
-from .launch import check_executable, ipykernel_options
+from .launch import check_executable, ipykernel_options, output_tail
 from .pids import KernelPids
 from .proctree import process_tree
 from .transitions import KernelState, Listener, Progress, TransitionMachine
@@ -43,6 +43,7 @@ class CedanaProvisioner(Checkpointing, TransitionMachine, LocalProvisioner):  # 
         self._reserved: list[socket.socket] = []
         self._gpu_state: dict[str, Any] | None = None
         self._chores: set[asyncio.Future[Any]] = set()
+        self._exit_told: Any = None  # the process whose exit was logged
 
     # -- plumbing -------------------------------------------------------------------------
 
@@ -126,8 +127,24 @@ class CedanaProvisioner(Checkpointing, TransitionMachine, LocalProvisioner):  # 
         if self.state != KernelState.running or self.holds_image:
             return None
         if self.process is not None:
-            return self.process.poll()
+            code = self.process.poll()
+            if code is not None and self._exit_told is not self.process:
+                self._exit_told = self.process
+                self._tell_exit(code)
+            return code
         return 0
+
+    def _tell_exit(self, code: int) -> None:
+        """A kernel that dies unasked: its last output goes to the server's log."""
+        if getattr(self.parent, "shutting_down", False):
+            return
+        tail = output_tail(self.engine.store.log_path(self.kernel_id_str))
+        self.log.warning(
+            "Kernel %s exited with status %s. The end of its output:\n%s",
+            self.kernel_id,
+            code,
+            tail or "(none)",
+        )
 
     def _offloaded_process_died(self) -> bool:
         """An offloaded kernel keeps its process (so does one failed with its GPU state

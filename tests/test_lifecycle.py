@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import socket
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -300,3 +302,38 @@ async def test_missing_kernel_executable_raises_at_start(
     km = AsyncKernelManager(kernel_name="bad", kernel_spec_manager=ksm, config=engine_config)
     with pytest.raises(FileNotFoundError):
         await km.start_kernel(env={**os.environ})
+
+
+async def test_a_kernel_that_dies_leaves_its_last_output_in_the_server_log(
+    engine_config, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Its stdout and stderr go to a file of ours (CRIU needs one): when it dies unasked,
+    the end of it is logged, as the stock provisioner's terminal would have shown it."""
+    spec_dir = tmp_path / "kernels" / "dies"
+    spec_dir.mkdir(parents=True)
+    code = "import sys; print('first words'); sys.exit('ImportError: no module named foo')"
+    (spec_dir / "kernel.json").write_text(
+        json.dumps(
+            {
+                "argv": [sys.executable, "-c", code, "{connection_file}"],
+                "display_name": "x",
+                "metadata": {"kernel_provisioner": {"provisioner_name": "cedana-provisioner"}},
+            }
+        )
+    )
+    ksm = KernelSpecManager(kernel_dirs=[str(tmp_path / "kernels")])
+    km = AsyncKernelManager(kernel_name="dies", kernel_spec_manager=ksm, config=engine_config)
+    await km.start_kernel(env={**os.environ})
+    kc = km.client()
+    kc.start_channels()
+    try:
+        with caplog.at_level(logging.WARNING), pytest.raises(RuntimeError, match="died"):
+            await kc.wait_for_ready(timeout=60)
+        told = [r.getMessage() for r in caplog.records if "exited with status 1" in r.getMessage()]
+        assert len(told) == 1, caplog.text
+        assert "first words" in told[0] and "no module named foo" in told[0]
+        assert not await km.is_alive()
+        assert len([r for r in caplog.records if "exited with status" in r.getMessage()]) == 1
+    finally:
+        kc.stop_channels()
+        await km.shutdown_kernel(now=True)
