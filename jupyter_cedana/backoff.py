@@ -16,6 +16,7 @@ from traitlets import Float
 from traitlets.config import LoggingConfigurable
 
 from .errors import CedanaError, NotCheckpointable
+from .timestamps import iso
 
 # CRIU refusals that depend on what the kernel holds, not on the moment: retrying before
 # the kernel changes gives the same answer (criu/*.c, 4.2).
@@ -138,7 +139,7 @@ class Setback:
             "failures": self.failures,
             "reason": self.reason,
             "not_checkpointable": self.not_checkpointable is not None,
-            "retry_at": dt.datetime.fromtimestamp(self.retry_at, tz=dt.timezone.utc).isoformat(),
+            "retry_at": iso(self.retry_at),
         }
 
 

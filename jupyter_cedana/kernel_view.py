@@ -3,18 +3,13 @@ suspended, when it will be, and the progress of a transition (docs/rest-api.yaml
 
 from __future__ import annotations
 
-import datetime as dt
 import time
 from typing import TYPE_CHECKING, Any
 
+from .timestamps import iso
+
 if TYPE_CHECKING:
     from .manager import SuspendManager
-
-
-def iso(ts: float | None) -> str | None:
-    if ts is None:
-        return None
-    return dt.datetime.fromtimestamp(ts, tz=dt.timezone.utc).isoformat()
 
 
 def kernel_view(manager: SuspendManager, kernel_id: str) -> dict[str, Any]:

@@ -6,7 +6,6 @@ the free space of the checkpoint disk), reserved before the dump starts.
 from __future__ import annotations
 
 import asyncio
-import datetime as dt
 import os
 import time
 from collections.abc import Awaitable, Callable, Iterable
@@ -19,6 +18,7 @@ from traitlets.config import LoggingConfigurable
 from .checkpoint import CheckpointStore
 from .errors import CheckpointCorrupt, Conflict, InsufficientStorage, NotFound
 from .proctree import process_tree
+from .timestamps import iso
 
 
 class SuspendLimits(LoggingConfigurable):
@@ -147,7 +147,7 @@ class TransitionQueue:
                 return {
                     "action": kind,
                     "position": position,
-                    "since": _iso(since) if since is not None else None,
+                    "since": iso(since),
                 }
         return None
 
@@ -177,10 +177,6 @@ async def settled(task: asyncio.Task[Any], what: str) -> Any:
                 "down, or the server is stopping"
             ) from None
         raise
-
-
-def _iso(ts: float) -> str:
-    return dt.datetime.fromtimestamp(ts, tz=dt.timezone.utc).isoformat()
 
 
 # -- disk ----------------------------------------------------------------------------------

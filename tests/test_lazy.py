@@ -247,6 +247,10 @@ async def test_fork_mremap_munmap_madvise_while_memory_loads(kernel, tmp_path: P
     hold = hold_transfer(prov, tmp_path)
     await prov.resume()
     await wait_iopub(kc)
+    # The events below are only seen while pages are still on disk (this failed once,
+    # with no events in the log: which of these did not hold was not known).
+    assert prov.last_resume_breakdown and prov.last_resume_breakdown["lazy"] is True
+    assert page_servers(prov.kernel_id_str), "the page server is gone before the cell"
     reply, out = await run(kc, EVENTS_WHILE_LOADING)
     assert reply["status"] == "ok", out
     assert out.split() == [str(total), "0", "0"]
