@@ -83,8 +83,9 @@ def machine_info(root: Path) -> dict[str, Any]:
 
 async def engine_at(root: Path, **config: Any) -> Any:
     """The process's CheckpointEngine on checkpoint root `root`, with the CUDA helper
-    started (or found missing) once, so that no suspend pays for it; None, saying why,
-    where CRIU cannot be used."""
+    started (or found missing) and the lazy-restore probe run once, as the server does
+    at start, so that no suspend or resume pays for them; None, saying why, where CRIU
+    cannot be used."""
     import sys
 
     from traitlets.config import Config
@@ -102,6 +103,7 @@ async def engine_at(root: Path, **config: Any) -> Any:
         print(f"cannot benchmark: {engine.probe().reason}", file=sys.stderr)
         return None
     await engine.cuda_checkpointer()
+    await engine.warm_up()
     return engine
 
 

@@ -7,7 +7,8 @@ minutes of idleness pays that for every page it gets back; suspend_bench.py, res
 once, mostly does not. Each repeat, for a kernel of about N GB:
 
   lazy     suspend, wait IDLE s, drop caches, lazy resume(): first output (a cell touching
-           almost nothing, after the gate's IOPub confirmation) and all pages in;
+           almost nothing, after the gate's IOPub confirmation) and all pages in, with
+           where the first output's wait went (checks before CRIU, CRIU, IOPub);
   whole    the same with a whole restore: first output (every page in by then);
   touch    suspend, wait IDLE s, then map as many bytes of fresh memory (4 KiB pages, as a
            restore gives them) and write one byte per page: the cost of taking that
@@ -84,6 +85,7 @@ async def resume_after_idle(km: Any, kc: Any, idle: float, lazy: bool) -> dict[s
         await prov.resume()
         resume_s = time.perf_counter() - t0
         await confirm_iopub(km, kc)
+        confirmed = time.perf_counter()
         arrived, out = await output_of(kc, SMALL)
         await prov.memory_loaded()
     finally:
@@ -91,12 +93,18 @@ async def resume_after_idle(km: Any, kc: Any, idle: float, lazy: bool) -> dict[s
     if out != "42":
         raise RuntimeError(f"unexpected output {out!r}")
     in_at = prov.last_memory_in_at
+    b = prov.last_resume_breakdown or {}
     return {
         "image_bytes": image,
         "resume_s": resume_s,
+        # Where the wait for the first output goes: the checks before CRIU, CRIU, the
+        # kernel's first answer (the gate's IOPub confirmation), the cell itself.
+        "check_s": b.get("check_s"),
+        "restore_s": b.get("restore_s"),
+        "iopub_s": confirmed - t0 - resume_s,
         "first_output_s": arrived - t0,
         "all_in_s": in_at - m0 if in_at is not None else resume_s,
-        "lazy": bool((prov.last_resume_breakdown or {}).get("lazy")),
+        "lazy": bool(b.get("lazy")),
     }
 
 
@@ -133,7 +141,9 @@ async def bench_size(size: float, repeat: int, idle: float, root: Path) -> dict[
             r.update(await baselines(km, root, r["lazy_image_bytes"], idle))
             rows.append(r)
             print(
-                f"  [{i}] lazy: first output {r['lazy_first_output_s']:.3f} s, all in "
+                f"  [{i}] lazy: first output {r['lazy_first_output_s']:.3f} s (checks "
+                f"{r['lazy_check_s']:.3f}, CRIU {r['lazy_restore_s']:.3f}, IOPub "
+                f"{r['lazy_iopub_s']:.3f}), all in "
                 f"{r['lazy_all_in_s']:.3f} s | whole: first output "
                 f"{r['whole_first_output_s']:.3f} s | fresh memory touched "
                 f"{r['touch_fresh_s']:.3f} s | plain cold read {r['plain_read_s']:.3f} s",
@@ -168,12 +178,13 @@ async def main_async(args: argparse.Namespace) -> int:
         if not args.root:
             shutil.rmtree(root, ignore_errors=True)
     print(
-        f"\n{'GB':>5} | {'lazy 1st':>8} {'all in':>8} | {'whole':>8} | {'touch':>8} "
-        f"{'read':>8} | {'all in / touch':>14} {'all in / read':>13}"
+        f"\n{'GB':>5} | {'lazy 1st':>8} {'checks':>7} {'CRIU':>7} {'IOPub':>7} {'all in':>8} | "
+        f"{'whole':>8} | {'touch':>8} {'read':>8} | {'all in / touch':>14} {'all in / read':>13}"
     )
     for s in results:
         print(
-            f"{s['size_gb']:>5g} | {s['lazy_first_output_s']:>8.3f} {s['lazy_all_in_s']:>8.3f} | "
+            f"{s['size_gb']:>5g} | {s['lazy_first_output_s']:>8.3f} {s['lazy_check_s']:>7.3f} "
+            f"{s['lazy_restore_s']:>7.3f} {s['lazy_iopub_s']:>7.3f} {s['lazy_all_in_s']:>8.3f} | "
             f"{s['whole_first_output_s']:>8.3f} | {s['touch_fresh_s']:>8.3f} "
             f"{s['plain_read_s']:>8.3f} | {s['lazy_all_in_s'] / s['touch_fresh_s']:>14.2f} "
             f"{s['lazy_all_in_s'] / s['plain_read_s']:>13.2f}"
