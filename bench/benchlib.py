@@ -315,3 +315,40 @@ async def gather_timed(coros: list[Any]) -> tuple[float, list[float]]:
 
     each = await asyncio.gather(*(timed(c) for c in coros))
     return time.perf_counter() - t0, list(each)
+
+
+async def resume_after_idle(km: Any, kc: Any, idle: float, lazy: bool) -> dict[str, Any]:
+    """Suspend to disk, wait `idle` s, drop caches, resume (lazily or whole): the first
+    output of a small cell and where its wait went, all pages in."""
+    prov = km.provisioner
+    prov.engine.lazy_restore = lazy
+    try:
+        await prov.suspend(tier="disk")
+        image = int(prov.engine.store.read_manifest(prov.kernel_id_str)["total_bytes"])
+        await asyncio.sleep(idle)
+        drop_caches()
+        t0, m0 = time.perf_counter(), time.monotonic()
+        await prov.resume()
+        resume_s = time.perf_counter() - t0
+        await confirm_iopub(km, kc)
+        confirmed = time.perf_counter()
+        arrived, out = await output_of(kc, SMALL)
+        await prov.memory_loaded()
+    finally:
+        prov.engine.lazy_restore = True
+    if out != "42":
+        raise RuntimeError(f"unexpected output {out!r}")
+    in_at = prov.last_memory_in_at
+    b = prov.last_resume_breakdown or {}
+    return {
+        "image_bytes": image,
+        "resume_s": resume_s,
+        # Where the wait for the first output goes: the checks before CRIU, CRIU, the
+        # kernel's first answer (the gate's IOPub confirmation), the cell itself.
+        "check_s": b.get("check_s"),
+        "restore_s": b.get("restore_s"),
+        "iopub_s": confirmed - t0 - resume_s,
+        "first_output_s": arrived - t0,
+        "all_in_s": in_at - m0 if in_at is not None else resume_s,
+        "lazy": bool(b.get("lazy")),
+    }

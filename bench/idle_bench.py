@@ -38,17 +38,15 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchlib import (
     GB,
-    SMALL,
     can_drop_caches,
-    confirm_iopub,
     drop_caches,
     engine_at,
     fill,
     machine_info,
     med,
-    output_of,
     plain_read,
     plain_write_fsync,
+    resume_after_idle,
     start_kernel,
     stop_kernel,
 )
@@ -71,41 +69,6 @@ def touch_fresh(nbytes: int) -> float:
         return took
     finally:
         m.close()
-
-
-async def resume_after_idle(km: Any, kc: Any, idle: float, lazy: bool) -> dict[str, Any]:
-    prov = km.provisioner
-    prov.engine.lazy_restore = lazy
-    try:
-        await prov.suspend(tier="disk")
-        image = int(prov.engine.store.read_manifest(prov.kernel_id_str)["total_bytes"])
-        await asyncio.sleep(idle)
-        drop_caches()
-        t0, m0 = time.perf_counter(), time.monotonic()
-        await prov.resume()
-        resume_s = time.perf_counter() - t0
-        await confirm_iopub(km, kc)
-        confirmed = time.perf_counter()
-        arrived, out = await output_of(kc, SMALL)
-        await prov.memory_loaded()
-    finally:
-        prov.engine.lazy_restore = True
-    if out != "42":
-        raise RuntimeError(f"unexpected output {out!r}")
-    in_at = prov.last_memory_in_at
-    b = prov.last_resume_breakdown or {}
-    return {
-        "image_bytes": image,
-        "resume_s": resume_s,
-        # Where the wait for the first output goes: the checks before CRIU, CRIU, the
-        # kernel's first answer (the gate's IOPub confirmation), the cell itself.
-        "check_s": b.get("check_s"),
-        "restore_s": b.get("restore_s"),
-        "iopub_s": confirmed - t0 - resume_s,
-        "first_output_s": arrived - t0,
-        "all_in_s": in_at - m0 if in_at is not None else resume_s,
-        "lazy": bool(b.get("lazy")),
-    }
 
 
 async def baselines(km: Any, root: Path, nbytes: int, idle: float) -> dict[str, float]:

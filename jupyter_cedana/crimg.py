@@ -21,6 +21,10 @@ PE_PARENT = 1 << 0
 PE_LAZY = 1 << 1
 PE_PRESENT = 1 << 2
 
+# vma_entry.status, file_entry.type
+VMA_FILE_PRIVATE = 1 << 6
+_FD_REG = 1
+
 Fields = dict[int, list[int | bytes]]
 
 
@@ -101,18 +105,50 @@ def pids(images: Path) -> list[int]:
     return [_int(decode(r), 1) for r in records(images / "pstree.img")]
 
 
-def vmas(images: Path, pid: int) -> list[tuple[int, int]]:
-    """(start, end) of each memory area of a process, in address order."""
+@dataclass(frozen=True)
+class Area:
+    """A memory area of a process: [start, end); for a private mapping of a file, the
+    file's bytes from `offset` on (file_id: its entry in files.img)."""
+
+    start: int
+    end: int
+    offset: int
+    file_id: int
+    private_file: bool
+
+
+def areas(images: Path, pid: int) -> list[Area]:
+    """The memory areas of a process, in address order."""
     mm = records(images / f"mm-{pid}.img")
     if not mm:
         return []
-    areas = []
+    out = []
     for raw in decode(mm[0]).get(14, []):
         if not isinstance(raw, bytes):
             raise ImageError("vma entry is not a message")
         vma = decode(raw)
-        areas.append((_int(vma, 1), _int(vma, 2)))
-    return sorted(areas)
+        private_file = bool(_int(vma, 7) & VMA_FILE_PRIVATE)
+        out.append(Area(_int(vma, 1), _int(vma, 2), _int(vma, 3), _int(vma, 4), private_file))
+    return sorted(out, key=lambda a: a.start)
+
+
+def regular_files(images: Path) -> dict[int, str]:
+    """File id → path of the regular files the tree had open or mapped (empty where the
+    image has no files.img, as older CRIU versions wrote)."""
+    try:
+        recs = records(images / "files.img")
+    except FileNotFoundError:
+        return {}
+    paths = {}
+    for rec in recs:
+        entry = decode(rec)
+        reg = entry.get(3)
+        if _int(entry, 1) != _FD_REG or not reg or not isinstance(reg[0], bytes):
+            continue
+        name = decode(reg[0]).get(6)
+        if name and isinstance(name[0], bytes):
+            paths[_int(entry, 2)] = name[0].decode(errors="surrogateescape")
+    return paths
 
 
 @dataclass(frozen=True)

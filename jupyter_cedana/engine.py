@@ -104,6 +104,14 @@ class CheckpointEngine(SingletonConfigurable):
         "0: every image lazily.",
     ).tag(config=True)
 
+    restore_read_ahead = Bool(
+        True,
+        help="At a resume, ask the disk at once for the pages of the kernel's libraries that "
+        "CRIU copies on write as it restores (posix_fadvise WILLNEED, in a thread, while the "
+        "image is checked): where the libraries have left the page cache, CRIU reads them "
+        "one at a time otherwise (docs/benchmarks.md).",
+    ).tag(config=True)
+
     pages_path = Unicode(
         "",
         help="Path of cedana-pages, the page server of lazy restores. Empty: the copy "

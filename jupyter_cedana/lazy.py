@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import crimg
+from . import crimg, readahead
 from .checkpoint import CheckpointStore
 from .errors import ResumeFailed
 
@@ -72,6 +72,8 @@ class Plan:
     map_path: Path
     lazy_bytes: int
     eager_chunks: dict[str, set[int]] = field(default_factory=dict)
+    # The library pages CRIU copies on write as it restores the ones it restores itself.
+    read_ahead: readahead.Ranges = field(default_factory=dict)
 
 
 def plan(store: CheckpointStore, kernel_id: str, manifest: dict[str, Any], work: Path) -> Plan:
@@ -90,12 +92,16 @@ def plan(store: CheckpointStore, kernel_id: str, manifest: dict[str, Any], work:
         # The page server reads the table itself, checked against this CRC.
         lines.append(f"file {files[name]['size']} {name} {table} {files[table]['crc32']:08x}")
     eager: dict[str, set[int]] = {}
+    to_read: list[readahead.Ranges] = []
     lazy_bytes = 0
     try:
+        paths = _file_paths(images)
         for pid in crimg.pids(images):
             runs = crimg.pagemap(images, pid)
-            vmas = crimg.vmas(images, pid)
+            areas = crimg.areas(images, pid)
+            vmas = [(a.start, a.end) for a in areas]
             ends = [end for _, end in vmas]
+            written: list[tuple[int, int]] = []
             pieces: list[tuple[int, int, int, int, int]] = []  # file, offset, lo, hi, area
             for run in runs:
                 if not run.present:
@@ -105,6 +111,7 @@ def plan(store: CheckpointStore, kernel_id: str, manifest: dict[str, Any], work:
                         f"Checkpoint of {kernel_id} has no chunk table for {run.pages_file}"
                     )
                 if not run.lazy:
+                    written.append((run.vaddr, run.end))
                     first = run.offset // chunk_size
                     last = (run.offset + run.pages * crimg.PAGE_SIZE - 1) // chunk_size
                     eager.setdefault(run.pages_file, set()).update(range(first, last + 1))
@@ -130,6 +137,7 @@ def plan(store: CheckpointStore, kernel_id: str, manifest: dict[str, Any], work:
                         else:
                             pieces.append((fi, off, lo, hi, k))
                     k += 1
+            to_read.append(readahead.ranges(paths, areas, written))
             pieces.sort()
             lines.append(f"task {pid} {len(pieces)}")
             lines.extend(f"{lo:x} {hi:x} {f} {off:x}" for f, off, lo, hi, _ in pieces)
@@ -141,15 +149,30 @@ def plan(store: CheckpointStore, kernel_id: str, manifest: dict[str, Any], work:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
         f.write("\n".join(lines) + "\n")
-    return Plan(path, lazy_bytes, eager)
+    return Plan(path, lazy_bytes, eager, readahead.merge(to_read))
+
+
+def _file_paths(images: Path) -> dict[int, str]:
+    # Only for reading ahead: CRIU itself says what is wrong with files.img, if anything.
+    try:
+        return crimg.regular_files(images)
+    except (OSError, crimg.ImageError):
+        return {}
 
 
 def check_before_restore(
-    store: CheckpointStore, kernel_id: str, manifest: dict[str, Any], work: Path
+    store: CheckpointStore,
+    kernel_id: str,
+    manifest: dict[str, Any],
+    work: Path,
+    read_ahead: bool = True,
 ) -> Plan:
-    """Everything CRIU itself reads, checked; then the page server's map."""
+    """Everything CRIU itself reads, checked; then the page server's map. `read_ahead`:
+    meanwhile, the library pages CRIU will copy are asked of the disk (readahead)."""
     store.verify_small_files(kernel_id, manifest)
     p = plan(store, kernel_id, manifest, work)
+    if read_ahead and p.read_ahead:
+        readahead.start(lambda: p.read_ahead)
     for name, chunks in p.eager_chunks.items():
         store.verify_chunks(kernel_id, manifest, name, chunks)
     return p

@@ -20,7 +20,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from . import lazy
+from . import lazy, readahead
 from .cuda import CudaStateLeft
 from .engine import CheckpointEngine, kill_restore
 from .errors import (
@@ -203,13 +203,20 @@ class Restoring(GpuSteps):
             lazy_off = await asyncio.to_thread(engine.lazy_unsupported)
             if self._restores_lazily(manifest, gpu_state, lazy_off, engine.lazy_restore_min_bytes):
                 lazy_plan = await asyncio.to_thread(
-                    lazy.check_before_restore, store, kid, manifest, work
+                    lazy.check_before_restore,
+                    store,
+                    kid,
+                    manifest,
+                    work,
+                    engine.restore_read_ahead,
                 )
                 pages = lazy.PageServer(
                     engine.pages_binary(), images, work, pidfile, lazy_plan, self.log
                 )
                 await pages.start(verified)
             else:
+                if engine.restore_read_ahead:
+                    readahead.start(functools.partial(readahead.of_image, images))
                 verify = asyncio.ensure_future(asyncio.to_thread(store.verify, kid, verified))
             t_checked = time.monotonic()
             self._release_ports()

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 import jupyter_cedana
-from jupyter_cedana import crimg
+from jupyter_cedana import crimg, lazy, readahead
 from jupyter_cedana.engine import CheckpointEngine
 from jupyter_cedana.provisioner import KernelState
 from tests.conftest import alive, exited, kernel_pids, run, stand_in_server, wait_iopub
@@ -124,6 +124,53 @@ async def test_kernel_runs_while_its_memory_is_still_on_disk(kernel, tmp_path: P
     assert held_userfaultfds() == 0
     _, out = await run(kc, SUM)
     assert out.strip() == EXPECTED_SUM
+
+
+def private_file_maps(pids: set[int]) -> dict[str, list[tuple[int, int]]]:
+    """path -> [(file offset, length)] of the private file mappings of running `pids`."""
+    maps: dict[str, list[tuple[int, int]]] = {}
+    for pid in pids:
+        for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
+            fields = line.split(None, 5)
+            if len(fields) == 6 and fields[1].endswith("p") and fields[5].startswith("/"):
+                lo, hi = (int(x, 16) for x in fields[0].split("-"))
+                maps.setdefault(fields[5], []).append((int(fields[2], 16), hi - lo))
+    return maps
+
+
+async def test_read_ahead_asks_for_the_library_pages_criu_copies(kernel, tmp_path: Path) -> None:
+    """What is read ahead at a resume: the file bytes behind the pages CRIU restores
+    itself, each in a private mapping of that file in the kernel as it ran, the libraries'
+    written data among them."""
+    _, out = await run(kernel.test_client, "import numpy")
+    maps = private_file_maps(kernel_pids(kernel))
+    prov = kernel.provisioner
+    await prov.suspend()
+    store, kid = prov.engine.store, prov.kernel_id_str
+    the_plan = lazy.plan(store, kid, store.read_manifest(kid), tmp_path)
+    wanted = the_plan.read_ahead
+    # Pages of private file mappings are never lazy: a whole restore copies the same ones.
+    assert readahead.of_image(store.path(kid)) == wanted
+    assert any("/numpy" in path and path.endswith(".so") for path in wanted), wanted
+    assert any("libc.so" in path for path in wanted), wanted
+    for path, pieces in wanted.items():
+        for off, length in pieces:
+            for page in range(off, off + length, crimg.PAGE_SIZE):
+                assert any(o <= page < o + n for o, n in maps.get(path, [])), (path, page)
+    assert readahead.read_ahead(wanted) == sum(n for p in wanted.values() for _, n in p)
+    await prov.resume()
+    await wait_iopub(kernel.test_client)
+    _, out = await run(kernel.test_client, "print(numpy.arange(4).sum())")
+    assert out.strip() == "6"
+
+
+def test_read_ahead_skips_what_is_not_a_regular_file(tmp_path: Path) -> None:
+    fifo, regular, link = tmp_path / "fifo", tmp_path / "regular", tmp_path / "link"
+    os.mkfifo(fifo)
+    regular.write_bytes(b"x" * 8192)
+    link.symlink_to(regular)
+    wanted = {str(p): [(0, 4096)] for p in (fifo, link, tmp_path / "gone")}
+    assert readahead.read_ahead({**wanted, str(regular): [(0, 8192)]}) == 8192
 
 
 async def test_small_images_are_restored_whole(kernel, tmp_path: Path) -> None:
