@@ -1,16 +1,15 @@
 """Reading ahead the library pages a restore copies on write.
 
-CRIU restores the written pages of a kernel's private file mappings itself (even in a
-lazy restore):
-the libraries' data and relocations, about 3 MB for a Python kernel with numpy. Each goes
-into a private mapping of its file, and writing a page there first reads the file's page
-(copy on write): one synchronous disk read after another while the person waits for the
-first output, 0.06-0.10 s of `criu restore` where the libraries have left the page cache
-(docs/benchmarks.md). Asked for all at once before CRIU starts, with posix_fadvise
-(WILLNEED), the disk serves them together while the image is still being checked.
+CRIU restores the written pages of a kernel's private file mappings itself, in a lazy
+restore too: the libraries' data and relocations, about 3 MB for a Python kernel with
+numpy. Each goes into a private mapping of its file, and writing a page there first reads
+the file's page (copy on write): one synchronous disk read after another while the
+person waits for the first output, 0.06-0.10 s of `criu restore` where the libraries
+have left the page cache (docs/benchmarks.md). Asked for all at once (posix_fadvise
+WILLNEED) while the image is checked, or as CRIU starts, the disk serves them together.
 
-Advisory only: a path that is gone, or is not a regular file, is skipped; a file
-changed since the suspend costs nothing here (CRIU itself refuses it).
+Advisory only: a path that is gone, or is not a regular file, is skipped, and a file
+changed since the suspend only makes the reading useless.
 """
 
 from __future__ import annotations
