@@ -72,7 +72,8 @@ class Plan:
     map_path: Path
     lazy_bytes: int
     eager_chunks: dict[str, set[int]] = field(default_factory=dict)
-    # The library pages CRIU copies on write as it restores the ones it restores itself.
+    # File ranges behind the pages CRIU restores itself in private file mappings: it
+    # copies them on write, reading each file page first (readahead.py).
     read_ahead: readahead.Ranges = field(default_factory=dict)
 
 
@@ -95,7 +96,7 @@ def plan(store: CheckpointStore, kernel_id: str, manifest: dict[str, Any], work:
     to_read: list[readahead.Ranges] = []
     lazy_bytes = 0
     try:
-        paths = _file_paths(images)
+        paths = readahead.file_paths(images)
         for pid in crimg.pids(images):
             runs = crimg.pagemap(images, pid)
             areas = crimg.areas(images, pid)
@@ -150,14 +151,6 @@ def plan(store: CheckpointStore, kernel_id: str, manifest: dict[str, Any], work:
     with os.fdopen(fd, "w") as f:
         f.write("\n".join(lines) + "\n")
     return Plan(path, lazy_bytes, eager, readahead.merge(to_read))
-
-
-def _file_paths(images: Path) -> dict[int, str]:
-    # Only for reading ahead: CRIU itself says what is wrong with files.img, if anything.
-    try:
-        return crimg.regular_files(images)
-    except (OSError, crimg.ImageError):
-        return {}
 
 
 def check_before_restore(

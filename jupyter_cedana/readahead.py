@@ -90,11 +90,20 @@ def read_ahead(wanted: Ranges) -> int:
     return asked
 
 
+def file_paths(images: Path) -> dict[int, str]:
+    """File id -> path, as far as files.img can be read (CRIU says what is wrong with it,
+    if anything: reading ahead is only advice)."""
+    try:
+        return crimg.regular_files(images)
+    except (OSError, crimg.ImageError):
+        return {}
+
+
 def of_image(images: Path) -> Ranges:
     """The ranges of a whole restore, from the image itself (CRIU restores every page
     then): advisory, so an image that cannot be read gives none (CRIU will say why)."""
     try:
-        paths = crimg.regular_files(images)
+        paths = file_paths(images)
         many = []
         for pid in crimg.pids(images):
             written = [(r.vaddr, r.end) for r in crimg.pagemap(images, pid) if r.present]

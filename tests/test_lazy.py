@@ -142,7 +142,7 @@ async def test_read_ahead_asks_for_the_library_pages_criu_copies(kernel, tmp_pat
     """What is read ahead at a resume: the file bytes behind the pages CRIU restores
     itself, each in a private mapping of that file in the kernel as it ran, the libraries'
     written data among them."""
-    _, out = await run(kernel.test_client, "import numpy")
+    await run(kernel.test_client, "import numpy")
     maps = private_file_maps(kernel_pids(kernel))
     prov = kernel.provisioner
     await prov.suspend()
