@@ -73,23 +73,28 @@ def decode(message: bytes) -> Fields:
     return fields
 
 
-def records(path: Path) -> list[bytes]:
-    """The protobuf records of a CRIU image file."""
-    data = path.read_bytes()
+def _spans(data: bytes, name: str) -> list[tuple[int, int]]:
+    """[start, end) of each protobuf record in the bytes of a CRIU image file."""
     if len(data) < 8:
-        raise ImageError(f"{path.name} is too short")
+        raise ImageError(f"{name} is too short")
     pos = 8 if struct.unpack_from("<I", data)[0] in (_COMMON_MAGIC, _SERVICE_MAGIC) else 4
     out = []
     while pos < len(data):
         if pos + 4 > len(data):
-            raise ImageError(f"{path.name}: truncated record header")
+            raise ImageError(f"{name}: truncated record header")
         (size,) = struct.unpack_from("<I", data, pos)
         pos += 4
         if pos + size > len(data):
-            raise ImageError(f"{path.name}: truncated record")
-        out.append(data[pos : pos + size])
+            raise ImageError(f"{name}: truncated record")
+        out.append((pos, pos + size))
         pos += size
     return out
+
+
+def records(path: Path) -> list[bytes]:
+    """The protobuf records of a CRIU image file."""
+    data = path.read_bytes()
+    return [data[start:end] for start, end in _spans(data, path.name)]
 
 
 def _int(fields: Fields, number: int, default: int = 0) -> int:
@@ -176,51 +181,70 @@ class PageRun:
 
 
 def pagemap(images: Path, pid: int) -> list[PageRun]:
-    """The page runs of a process, with the offset of each in its page file."""
-    recs = records(images / f"pagemap-{pid}.img")
-    if not recs:
+    """The page runs of a process, with the offset of each in its page file; entries
+    that continue one another (CRIU cuts a big area into entries of a pipe's size,
+    ~1 MiB: thousands for a kernel of a few GB) come back as one run."""
+    path = images / f"pagemap-{pid}.img"
+    data = path.read_bytes()
+    spans = _spans(data, path.name)
+    if not spans:
         return []
-    pages_file = f"pages-{_int(decode(recs[0]), 1)}.img"
+    head = data[spans[0][0] : spans[0][1]]
+    pages_file = f"pages-{_int(decode(head), 1)}.img"
     runs = []
     offset = 0
-    for rec in recs[1:]:
+    vaddr = pages = flags = -1  # the run being extended
+    start = 0  # its offset
+    for lo, hi in spans[1:]:
         try:
-            vaddr, pages, flags = _pagemap_entry(rec)
-        except IndexError:  # a varint running past its record
+            v, n, f = _pagemap_entry(data, lo, hi)
+        except IndexError:  # a varint running past the file
             raise ImageError("truncated pagemap entry") from None
-        runs.append(PageRun(vaddr, pages, flags, offset, pages_file))
-        if flags & PE_PRESENT:
-            offset += pages * PAGE_SIZE
+        if f == flags and v == vaddr + pages * PAGE_SIZE:
+            pages += n
+        else:
+            if vaddr >= 0:
+                runs.append(PageRun(vaddr, pages, flags, start, pages_file))
+            vaddr, pages, flags, start = v, n, f, offset
+        if f & PE_PRESENT:
+            offset += n * PAGE_SIZE
+    if vaddr >= 0:
+        runs.append(PageRun(vaddr, pages, flags, start, pages_file))
     return runs
 
 
-def _pagemap_entry(rec: bytes) -> tuple[int, int, int]:
-    """(vaddr, pages, flags) of a pagemap_entry: all its fields are varints, so this
-    reads them in one pass (an image of a few GB has thousands of entries)."""
-    fields = [0, 0, 0, 0, 0, 0]  # by field number; [0] unused
-    seen = 0
-    pos, end = 0, len(rec)
+def _pagemap_entry(data: bytes, pos: int, end: int) -> tuple[int, int, int]:
+    """(vaddr, pages, flags) of the pagemap_entry in data[pos:end]: all its fields are
+    varints, so this reads them in one pass."""
+    vaddr = nr_pages = in_parent = flags = pages = 0
+    has_flags = has_pages = False
     while pos < end:
-        key = rec[pos]
-        pos += 1
-        byte = rec[pos]
-        pos += 1
+        key = data[pos]
+        byte = data[pos + 1]
+        pos += 2
         value, shift = byte & 0x7F, 7
         while byte & 0x80:
-            byte = rec[pos]
+            byte = data[pos]
             pos += 1
             value |= (byte & 0x7F) << shift
             shift += 7
-        number = key >> 3
-        if key & 7 or not 1 <= number <= 5:
-            raise ImageError(f"unexpected field {number} in a pagemap entry")
-        fields[number] = value
-        seen |= 1 << number
-    # Images older than the flags field say in_parent, else present.
-    legacy = PE_PARENT if fields[3] else PE_PRESENT
-    flags = fields[4] if seen & (1 << 4) else legacy
-    pages = fields[5] if seen & (1 << 5) else fields[2]
-    return fields[1], pages, flags
+        if key == 0x08:  # field 1, vaddr
+            vaddr = value
+        elif key == 0x10:  # 2, nr_pages
+            nr_pages = value
+        elif key == 0x20:  # 4, flags
+            flags, has_flags = value, True
+        elif key == 0x18:  # 3, in_parent (images older than flags)
+            in_parent = value
+        elif key == 0x28:  # 5, pages (a 64-bit nr_pages)
+            pages, has_pages = value, True
+        else:
+            raise ImageError(f"unexpected field {key >> 3} in a pagemap entry")
+    if pos != end:
+        raise ImageError("truncated pagemap entry")
+    if not has_flags:
+        flags = PE_PARENT if in_parent else PE_PRESENT
+    return vaddr, pages if has_pages else nr_pages, flags
 
 
 DUMP_STATS = {

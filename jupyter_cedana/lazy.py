@@ -103,7 +103,7 @@ def plan(store: CheckpointStore, kernel_id: str, manifest: dict[str, Any], work:
             vmas = [(a.start, a.end) for a in areas]
             ends = [end for _, end in vmas]
             written: list[tuple[int, int]] = []
-            pieces: list[tuple[int, int, int, int, int]] = []  # file, offset, lo, hi, area
+            pieces: list[tuple[int, int, int, int]] = []  # file, offset, lo, hi
             for run in runs:
                 if not run.present:
                     continue
@@ -123,25 +123,13 @@ def plan(store: CheckpointStore, kernel_id: str, manifest: dict[str, Any], work:
                 while k < len(vmas) and vmas[k][0] < run.end:
                     lo, hi = max(vmas[k][0], run.vaddr), min(vmas[k][1], run.end)
                     if lo < hi:
-                        off = run.offset + (lo - run.vaddr)
                         lazy_bytes += hi - lo
-                        # CRIU cuts a big area's pages into entries of a pipe's size
-                        # (~1 MiB); whole, the page server's run lists stay short.
-                        prev = pieces[-1] if pieces else None
-                        if (
-                            prev is not None
-                            and prev[4] == k
-                            and (prev[0], prev[3]) == (fi, lo)
-                            and prev[1] + (prev[3] - prev[2]) == off
-                        ):
-                            pieces[-1] = (fi, prev[1], prev[2], hi, k)
-                        else:
-                            pieces.append((fi, off, lo, hi, k))
+                        pieces.append((fi, run.offset + (lo - run.vaddr), lo, hi))
                     k += 1
             to_read.append(readahead.ranges(paths, areas, written))
             pieces.sort()
             lines.append(f"task {pid} {len(pieces)}")
-            lines.extend(f"{lo:x} {hi:x} {f} {off:x}" for f, off, lo, hi, _ in pieces)
+            lines.extend(f"{lo:x} {hi:x} {f} {off:x}" for f, off, lo, hi in pieces)
     except (OSError, crimg.ImageError) as e:
         raise ResumeFailed(
             f"Checkpoint of {kernel_id} cannot be read for a lazy restore: {e}"
