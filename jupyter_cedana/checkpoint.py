@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from . import readahead
 from .errors import CheckpointCorrupt, InvalidId, NotFound
 from .integrity import (
     CHUNK_SIZE,
@@ -271,9 +272,11 @@ class CheckpointStore:
     def verify_small_files(self, kernel_id: str, manifest: dict[str, Any]) -> None:
         """CRC of every file that is not a page file (page files are checked by chunk)."""
         base = self.path(kernel_id)
-        for name, meta in manifest["files"].items():
-            small = "crc32" in meta and not is_page_file(name)
-            if small and file_crc32(base / name) != meta["crc32"]:
+        small = [n for n, m in manifest["files"].items() if "crc32" in m and not is_page_file(n)]
+        # Dozens of files, cold after a long suspend: all asked of the disk at once.
+        readahead.read_ahead({str(base / name): [(0, 0)] for name in small})
+        for name in small:
+            if file_crc32(base / name) != manifest["files"][name]["crc32"]:
                 raise CheckpointCorrupt(
                     f"Checkpoint of {kernel_id} is corrupted: checksum mismatch in {name}"
                 )
