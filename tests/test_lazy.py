@@ -297,7 +297,13 @@ async def test_fork_mremap_munmap_madvise_while_memory_loads(kernel, tmp_path: P
     # The events below are only seen while pages are still on disk (this failed once,
     # with no events in the log: which of these did not hold was not known).
     assert prov.last_resume_breakdown and prov.last_resume_breakdown["lazy"] is True
-    assert page_servers(prov.kernel_id_str), "the page server is gone before the cell"
+    if not page_servers(prov.kernel_id_str):
+        log = (prov.engine.store.work_dir(prov.kernel_id_str) / "pages.log").read_text()
+        loading = prov._loading
+        raise AssertionError(
+            f"the page server is gone before the cell: state {prov.state} "
+            f"({prov.reason}), loading {loading}, pages.log: {log[-1500:]}"
+        )
     reply, out = await run(kc, EVENTS_WHILE_LOADING)
     assert reply["status"] == "ok", out
     assert out.split() == [str(total), "0", "0"]
