@@ -1,7 +1,7 @@
 """CUDA checkpoint of a kernel's GPU memory: the procedures on top of the driver calls
 of the native helper (cuda_helper.py). They add what the driver does not: preflight
-refusals, a host-memory check, rollback on failure, restore admission (is there GPU
-memory to restore into?) and GPU remapping by UUID.
+refusals and a host-memory check (cuda_preflight.py), rollback on failure, restore
+admission (is there GPU memory to restore into?) and GPU remapping by UUID.
 
 Suspend: lock (with a timeout) -> checkpoint (device memory copied into the process's
 host memory, the GPU freed). Resume: restore (onto the same or an equivalent GPU) ->
@@ -14,22 +14,15 @@ import asyncio
 import inspect
 import time
 from collections.abc import Callable, Iterable, Mapping
-from pathlib import Path
 from typing import Any
 
 from traitlets import Bool, Instance, Int, Unicode
 
 from .admission import admission_plan
-from .cuda_helper import CudaCallError, CudaHelper, cuda_version
-from .errors import (
-    CedanaError,
-    GpuError,
-    InsufficientGpuMemory,
-    InsufficientHostMemory,
-    NotCheckpointable,
-)
+from .cuda_helper import CudaCallError, CudaHelper
+from .cuda_preflight import check_host_memory, preflight
+from .errors import CedanaError, GpuError, InsufficientGpuMemory, NotCheckpointable
 from .gpu import GpuMonitor, GpuUse
-from .hostmem import host_room
 from .proctree import open_device_files
 
 __all__ = ["CudaCallError", "CudaCheckpointer", "CudaStateLeft", "OffloadResult"]
@@ -37,8 +30,6 @@ __all__ = ["CudaCallError", "CudaCheckpointer", "CudaStateLeft", "OffloadResult"
 _LOCK_TIMEOUT = {"CUDA_ERROR_NOT_READY", "CUDA_ERROR_TIMEOUT"}
 # The driver refuses what it cannot checkpoint (UVM/managed memory, CUDA IPC, ...).
 _UNSUPPORTED = {"CUDA_ERROR_NOT_SUPPORTED", "CHECKPOINT_API_MISSING"}
-
-GiB = 1 << 30
 
 Progress = Callable[[str, "int | None", "int | None"], Any]
 
@@ -168,9 +159,23 @@ class CudaCheckpointer(CudaHelper):
         cuda_pids = sorted(set(states) | nvml_pids)
         if not cuda_pids:
             return OffloadResult.empty()
-        self._preflight(cuda_pids, states, uses, no_state)
+        preflight(
+            cuda_pids,
+            states,
+            uses,
+            no_state,
+            driver_version=self.driver_version,
+            min_driver_version=self.min_driver_version,
+            mig_monitor=None if self.allow_mig else self.monitor,
+        )
         memory = sum(u.memory_bytes for u in uses)
-        self._check_host_memory(cuda_pids[0], memory)
+        check_host_memory(
+            cuda_pids[0],
+            memory,
+            headroom=self.host_memory_headroom_bytes,
+            cgroup_root=self.cgroup_root,
+            meminfo_path=self.meminfo_path,
+        )
 
         before = self._free()
         result = OffloadResult(
@@ -250,66 +255,6 @@ class CudaCheckpointer(CudaHelper):
             elif err is not None:
                 no_state[pid] = err
         return states, no_state
-
-    def _preflight(
-        self,
-        cuda_pids: list[int],
-        states: dict[int, str],
-        uses: list[GpuUse],
-        no_state: dict[int, str],
-    ) -> None:
-        if len(cuda_pids) > 1:
-            raise NotCheckpointable(
-                f"GPU work in several processes of the kernel's tree (pids "
-                f"{', '.join(map(str, cuda_pids))}): the driver checkpoints processes one at a "
-                "time and cannot capture state shared between them (CUDA IPC)"
-            )
-        version = self.driver_version or 0
-        if version < self.min_driver_version:
-            raise NotCheckpointable(
-                f"CUDA driver API {cuda_version(version)} is older than "
-                f"{cuda_version(self.min_driver_version)}: the checkpoint API needs driver r570+"
-            )
-        for pid in cuda_pids:
-            if pid not in states:
-                raise NotCheckpointable(
-                    f"Process {pid} holds GPU memory, but the driver has no checkpointable "
-                    f"CUDA state for it ({no_state.get(pid, 'no answer')})"
-                )
-        for pid, s in states.items():
-            if s != "running":
-                raise NotCheckpointable(f"CUDA process {pid} is {s}, not running")
-        for u in uses:
-            if u.mps:
-                raise NotCheckpointable(
-                    f"GPU {u.index} ({u.uuid}) is used through MPS, which the driver "
-                    "cannot checkpoint"
-                )
-        if not self.allow_mig and self.monitor is not None:
-            mig = {d["uuid"] for d in self.monitor.devices() if d.get("mig")}
-            for u in uses:
-                if u.uuid in mig:
-                    raise NotCheckpointable(
-                        f"GPU {u.index} ({u.uuid}) is in MIG mode; checkpointing MIG "
-                        "instances is off (CudaCheckpointer.allow_mig)"
-                    )
-
-    def _check_host_memory(self, pid: int, gpu_bytes: int) -> None:
-        """The offload copies the GPU memory into the process's host memory: refuse when
-        that would leave less than the headroom (the OOM killer would pick a kernel)."""
-        room = host_room(
-            pid,
-            cgroup_root=Path(self.cgroup_root) if self.cgroup_root else None,
-            meminfo=Path(self.meminfo_path),
-        )
-        need = gpu_bytes + self.host_memory_headroom_bytes
-        if room is not None and room.bytes < need:
-            raise InsufficientHostMemory(
-                f"Offloading {gpu_bytes / GiB:.2f} GiB of GPU memory needs "
-                f"{need / GiB:.2f} GiB of host memory (with "
-                f"{self.host_memory_headroom_bytes / GiB:.2f} GiB headroom), but only "
-                f"{room.bytes / GiB:.2f} GiB is free ({room.source}); the kernel keeps running"
-            )
 
     async def _lock_or_explain(self, pid: int) -> None:
         try:

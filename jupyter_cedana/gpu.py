@@ -1,12 +1,7 @@
 """GPU monitor: per-kernel GPU memory and utilisation from NVML (pynvml).
 
-Each kernel is a set of host PIDs (its process tree). NVML reports processes by
-PID; those are matched to the trees directly, then through `NSpid` (a process in
-another PID namespace), then through PIDs learned earlier, and last through the
-`/dev/nvidiaN` files the tree's processes hold open: when exactly one NVML process
-of a GPU and one process of the kernels holding that GPU are left unexplained, they
-are the same process, and that is remembered (see docs/gpu.md for what each match
-can know).
+Each kernel is a set of host PIDs (its process tree); NVML reports processes by PID,
+matched to the trees by gpu_pids.py. The monitor keeps what that matching learns.
 
 No driver, no GPU or no pynvml: `available` is False and `reason` says why; every
 query then answers "no GPU use", so CPU kernels are unaffected.
@@ -24,7 +19,7 @@ from typing import Any
 from traitlets import Bool, Float, Unicode
 from traitlets.config import LoggingConfigurable
 
-from .proctree import gpu_minor, nspids, open_device_files, stat_fields
+from .gpu_pids import NvmlDevice, NvmlProcess, match_processes
 
 
 @dataclass
@@ -43,26 +38,6 @@ class GpuUse:
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
-
-
-@dataclass
-class _Device:
-    index: int
-    uuid: str
-    name: str
-    minor: int | None
-    handle: Any
-    mig: bool = False
-
-
-@dataclass
-class _ProcUse:
-    """One NVML process entry on one device."""
-
-    dev: _Device
-    pid: int  # as NVML reports it
-    memory: int
-    mps: bool = False
 
 
 class GpuMonitor(LoggingConfigurable):
@@ -91,7 +66,7 @@ class GpuMonitor(LoggingConfigurable):
         self._nvml: Any = None
         self._reason: str | None = None
         self._driver_version: str | None = None
-        self._devices: list[_Device] = []
+        self._devices: list[NvmlDevice] = []
         self._util_ts: dict[int, int] = {}  # device index -> last NVML sample timestamp (µs)
         # kernel id -> deque of (time, {uuid: utilisation or None})
         self._windows: dict[str, deque[tuple[float, dict[str, float | None]]]] = {}
@@ -138,7 +113,7 @@ class GpuMonitor(LoggingConfigurable):
                     except pynvml.NVMLError:
                         mig = False  # not supported: a GPU without MIG
                     devices.append(
-                        _Device(
+                        NvmlDevice(
                             index=i,
                             uuid=_text(pynvml.nvmlDeviceGetUUID(h)),
                             name=_text(pynvml.nvmlDeviceGetName(h)),
@@ -192,7 +167,7 @@ class GpuMonitor(LoggingConfigurable):
 
     # ---- devices ----
 
-    def _memory(self, dev: _Device) -> tuple[int, int, int]:
+    def _memory(self, dev: NvmlDevice) -> tuple[int, int, int]:
         m = self._nvml.nvmlDeviceGetMemoryInfo(dev.handle)
         return int(m.total), int(m.used), int(m.free)
 
@@ -243,9 +218,9 @@ class GpuMonitor(LoggingConfigurable):
 
     # ---- processes and matching ----
 
-    def _processes(self) -> list[_ProcUse]:
+    def _processes(self) -> list[NvmlProcess]:
         nv = self._nvml
-        procs: list[_ProcUse] = []
+        procs: list[NvmlProcess] = []
         for d in self._devices:
             for fn, mps in (
                 (nv.nvmlDeviceGetComputeRunningProcesses, False),
@@ -257,7 +232,7 @@ class GpuMonitor(LoggingConfigurable):
                     continue  # MPS list unsupported, GPU lost...: count what we can
                 for p in entries:
                     mem = p.usedGpuMemory if p.usedGpuMemory is not None else 0
-                    procs.append(_ProcUse(d, int(p.pid), int(mem), mps))
+                    procs.append(NvmlProcess(d, int(p.pid), int(mem), mps))
         return procs
 
     def _utilization(self) -> dict[int, dict[int, float] | float]:
@@ -283,109 +258,9 @@ class GpuMonitor(LoggingConfigurable):
             out[d.index] = {pid: sum(v) / len(v) for pid, v in per_pid.items()}
         return out
 
-    def _match(
-        self, trees: dict[str, set[int]], procs: list[_ProcUse]
-    ) -> dict[str, list[tuple[_ProcUse, int | None, str]]]:
-        """kernel id -> [(NVML entry, host pid or None, how matched)]."""
-        owner: dict[int, str] = {}
-        for kid, pids in trees.items():
-            for p in pids:
-                owner[p] = kid
-        out: dict[str, list[tuple[_ProcUse, int | None, str]]] = {k: [] for k in trees}
-        unmatched: list[_ProcUse] = []
-        for pu in procs:
-            owner_kid = owner.get(pu.pid)
-            if owner_kid is not None:
-                out[owner_kid].append((pu, pu.pid, "pid"))
-            else:
-                unmatched.append(pu)
-        if not unmatched:
-            return out
-        # NVML may report PIDs as seen from another namespace: NSpid lists each
-        # process's PID in every namespace it is in. Only unique values match.
-        ns_owner: dict[int, tuple[str, int] | None] = {}
-        for kid, pids in trees.items():
-            for p in pids:
-                for alias in nspids(p)[1:]:
-                    ns_owner[alias] = None if alias in ns_owner else (kid, p)
-        rest: list[_ProcUse] = []
-        for pu in unmatched:
-            hit = ns_owner.get(pu.pid)
-            if hit is not None:
-                out[hit[0]].append((pu, hit[1], "nspid"))
-            else:
-                rest.append(pu)
-        if not rest:
-            return out
-        rest = self._match_learned(rest, owner, out)
-        if not rest:
-            return out
-        # Last resort: which kernels hold /dev/nvidiaN open, and by elimination which
-        # process an unexplained NVML entry is.
-        holders: dict[int, dict[str, set[int]]] = {}
-        for kid, pids in trees.items():
-            for p in pids:
-                for path in open_device_files(p, self.device_path_prefix):
-                    minor = gpu_minor(path, self.device_path_prefix)
-                    if minor is not None:
-                        holders.setdefault(minor, {}).setdefault(kid, set()).add(p)
-        by_minor: dict[int | None, list[_ProcUse]] = {}
-        for pu in rest:
-            by_minor.setdefault(pu.dev.minor, []).append(pu)
-        for minor, entries in by_minor.items():
-            kids = holders.get(minor, {}) if minor is not None else {}
-            # holders not yet explained by an NVML entry of this GPU
-            open_kids = {
-                k: hp for k, hp in kids.items() if not any(m[0].dev.minor == minor for m in out[k])
-            }
-            if len(entries) == 1 and len(open_kids) == 1:
-                kid, hps = next(iter(open_kids.items()))
-                if len(hps) == 1:
-                    (hp,) = hps
-                    self._learn(entries[0].pid, hp)
-                    out[kid].append((entries[0], hp, "learned"))
-                    continue
-            for pu in entries:
-                if len(open_kids) == 1:
-                    kid, hps = next(iter(open_kids.items()))
-                    out[kid].append((pu, min(hps), "devfile"))
-                else:
-                    for kid, hps in open_kids.items():
-                        # known: this kernel uses the GPU; unknown: how much of it
-                        out[kid].append((_ProcUse(pu.dev, pu.pid, 0, pu.mps), min(hps), "devfile"))
-        return out
-
-    def _learn(self, nvml_pid: int, host_pid: int) -> None:
-        started = _start_time(host_pid)
-        if started is not None:
-            self._aliases[nvml_pid] = (host_pid, started)
-
-    def _match_learned(
-        self,
-        rest: list[_ProcUse],
-        owner: dict[int, str],
-        out: dict[str, list[tuple[_ProcUse, int | None, str]]],
-    ) -> list[_ProcUse]:
-        """Match NVML entries through PIDs learned earlier; entries learned to be another
-        process (not in these trees) are dropped. Returns the entries still unexplained."""
-        seen = {pu.pid for pu in rest}
-        for nvml_pid in [n for n in self._aliases if n not in seen]:
-            del self._aliases[nvml_pid]  # that NVML process is gone
-        left = []
-        for pu in rest:
-            alias = self._aliases.get(pu.pid)
-            if alias is not None and _start_time(alias[0]) != alias[1]:
-                del self._aliases[pu.pid]  # the host process is gone (its pid may be reused)
-                alias = None
-            if alias is None:
-                left.append(pu)
-            elif alias[0] in owner:
-                out[owner[alias[0]]].append((pu, alias[0], "learned"))
-        return left
-
     def _uses(
         self,
-        matches: list[tuple[_ProcUse, int | None, str]],
+        matches: list[tuple[NvmlProcess, int | None, str]],
         util: dict[int, dict[int, float] | float] | None,
     ) -> tuple[list[GpuUse], dict[str, float | None]]:
         by_dev: dict[int, GpuUse] = {}
@@ -430,7 +305,9 @@ class GpuMonitor(LoggingConfigurable):
             except self._nvml.NVMLError as e:
                 self.log.warning("NVML process query failed: %s", e)
                 return []
-            matches = self._match({"": set(pids)}, procs)[""]
+            matches = match_processes(
+                {"": set(pids)}, procs, self._aliases, self.device_path_prefix
+            )[""]
             return self._uses(matches, None)[0]
 
     def sample(
@@ -448,7 +325,7 @@ class GpuMonitor(LoggingConfigurable):
             except self._nvml.NVMLError as e:
                 self.log.warning("NVML sampling failed: %s", e)
                 return {k: [] for k in trees}
-            matched = self._match(trees, procs)
+            matched = match_processes(trees, procs, self._aliases, self.device_path_prefix)
             for gone in set(self._windows) - set(trees):
                 self.forget(gone)
             result: dict[str, list[GpuUse]] = {}
@@ -503,12 +380,6 @@ class GpuMonitor(LoggingConfigurable):
             "driver_version": self.driver_version,
             "devices": self.devices(),
         }
-
-
-def _start_time(pid: int) -> str | None:
-    """Field 22 of /proc/PID/stat: tells a process from a later one with the same pid."""
-    fields = stat_fields(pid)
-    return fields[19] if len(fields) > 19 else None
 
 
 def _text(v: Any) -> str:

@@ -1,5 +1,6 @@
-"""Suspend manager: the policy loop, the facts the policy and the REST view of every
-kernel (kernel_view.py) read, and the one place where suspends and resumes are started.
+"""Suspend manager: the policy loop over the facts of every kernel (kernel_facts.py), which
+the REST view (kernel_view.py) shows too, and the one place where suspends and resumes
+are started.
 
 handlers → SuspendManager → CedanaProvisioner → CheckpointEngine
 """
@@ -13,7 +14,6 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from jupyter_server._tz import utcnow
 from traitlets import Any as AnyTrait
 from traitlets import Instance, default
 from traitlets.config import LoggingConfigurable
@@ -24,6 +24,7 @@ from .checkpoint import validate_kernel_id
 from .engine import CheckpointEngine
 from .errors import CedanaError, Conflict, EngineUnavailable, InsufficientStorage, NotFound
 from .kernel_events import EVENT_SCHEMA, EVENT_SCHEMA_FILE, KernelEvents
+from .kernel_facts import between_processes, kernel_facts, touch
 from .kernel_view import kernel_view
 from .limits import (
     Budget,
@@ -173,12 +174,6 @@ class SuspendManager(LoggingConfigurable):
 
     # -- facts, view ----------------------------------------------------------------------
 
-    def _idle_seconds(self, kernel: Any) -> float:
-        last = getattr(kernel, "last_activity", None)
-        if last is None:
-            return 0.0
-        return max(0.0, (dt.datetime.now(dt.timezone.utc) - last).total_seconds())
-
     def gpus_of(self, kernel_id: str) -> list[Any]:
         """The kernel's GPUs as last sampled (GpuMonitor)."""
         return self._gpus.get(kernel_id, [])
@@ -187,37 +182,8 @@ class SuspendManager(LoggingConfigurable):
         return self._keep_awake.get(kernel_id)
 
     def facts(self, kernel_id: str, kernel: Any) -> KernelFacts:
-        """What the policy decides on."""
-        prov = self.provisioner_of(kernel)
-        gpus = self.gpus_of(kernel_id)
-        extra = []
-        info = self.engine.probe()
-        if not info.available:
-            extra.append(f"checkpointing unavailable: {info.reason}")
-        gpu_idle = True
-        if self.gpu_monitor is not None and gpus:
-            gpu_idle = self.gpu_monitor.is_gpu_idle(
-                kernel_id, self.policy.gpu_utilization_threshold
-            )
-        now = time.time()
-        return KernelFacts(
-            kernel_id=kernel_id,
-            kernelspec=getattr(kernel, "kernel_name", ""),
-            spec_metadata=dict(getattr(getattr(kernel, "kernel_spec", None), "metadata", {}) or {}),
-            state=prov.state.value if prov else "running",
-            tier=prov.tier if prov else None,
-            execution_state=getattr(kernel, "execution_state", "unknown"),
-            idle_seconds=self._idle_seconds(kernel),
-            connections=int(
-                getattr(self.kernel_manager, "_kernel_connections", {}).get(kernel_id, 0)
-            ),
-            gpu_memory_bytes=sum(g.memory_bytes for g in gpus),
-            gpu_idle=gpu_idle,
-            keep_awake_seconds=max(0.0, self._keep_awake.get(kernel_id, 0.0) - now),
-            suspended_seconds=now - prov.suspended_at if prov and prov.suspended_at else 0.0,
-            managed=prov is not None,
-            extra_reasons=extra,
-        )
+        """What the policy decides on (kernel_facts.py)."""
+        return kernel_facts(self, kernel_id, kernel)
 
     def view(self, kernel_id: str) -> dict[str, Any]:
         """The kernel as the REST API shows it (kernel_view.py)."""
@@ -321,7 +287,7 @@ class SuspendManager(LoggingConfigurable):
         return (
             decision.action == tier
             and not self._guarded(kernel_id)
-            and not _between(kernel)
+            and not between_processes(kernel)
             and self.backoff.blocking(kernel_id, self._last_activity(kernel_id)) is None
         )
 
@@ -432,7 +398,7 @@ class SuspendManager(LoggingConfigurable):
             decision = self.policy.decide(self.facts(kid, kernel))
             if decision.action is None or self.transition_pending(kid):
                 continue
-            if decision.action != "shutdown" and (self._guarded(kid) or _between(kernel)):
+            if decision.action != "shutdown" and (self._guarded(kid) or between_processes(kernel)):
                 continue
             if decision.action == "shutdown":
                 self.log.info("Policy: shut down kernel %s (%s)", kid, decision.reason)
@@ -497,17 +463,3 @@ class SuspendManager(LoggingConfigurable):
 
     def _emit(self, kernel_id: str, action: str, state: str, tier: str | None, **kw: Any) -> None:
         self.events.emit(kernel_id, action, state, tier, **kw)
-
-
-def touch(kernel_manager: Any, kernel_id: str) -> None:
-    """Record activity a person caused: the idle countdown starts again."""
-    with contextlib.suppress(KeyError):
-        kernel_manager.get_kernel(kernel_id).last_activity = now = utcnow()
-        kernel_manager.last_kernel_activity = now
-
-
-def _between(kernel: Any) -> bool:
-    """Starting, restarting or shutting down: no settled process to freeze, and the
-    execution state and activity seen are the previous process's."""
-    ready = getattr(kernel, "_ready", None)  # jupyter_client's future of the start
-    return bool(getattr(kernel, "shutting_down", False)) or (ready is not None and not ready.done())
