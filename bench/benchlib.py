@@ -144,6 +144,19 @@ def plain_read(path: Path) -> float:
     return time.perf_counter() - t
 
 
+def plain_cold_read(root: Path, nbytes: int, cold: bool) -> float:
+    """A plain cold read of as many bytes, on the same disk; the file is written with
+    O_DIRECT, so that the read does not reuse the page cache its writing just freed."""
+    plain = root / "plain-io.bin"
+    plain_write_fsync(plain, nbytes, direct=True)
+    if cold:
+        drop_caches()
+    try:
+        return plain_read(plain)
+    finally:
+        plain.unlink()
+
+
 def med(rows: list[dict[str, Any]], key: str) -> float | None:
     vals = [r[key] for r in rows if r.get(key) is not None]
     return statistics.median(vals) if vals else None

@@ -61,7 +61,7 @@ from benchlib import (
     machine_info,
     med,
     output_of,
-    plain_read,
+    plain_cold_read,
     plain_write_fsync,
     run,
     start_kernel,
@@ -169,19 +169,6 @@ async def resume_step(
         row.update(page_server_log(prov))
     row["plain_read_s"] = plain_read_s if plain_first else plain_cold_read(root, image, cold)
     return row
-
-
-def plain_cold_read(root: Path, nbytes: int, cold: bool) -> float:
-    """A plain cold read of as many bytes, on the same disk; the file is written with
-    O_DIRECT, so that the read does not reuse the page cache its writing just freed."""
-    plain = root / "plain-io.bin"
-    plain_write_fsync(plain, nbytes, direct=True)
-    if cold:
-        drop_caches()
-    try:
-        return plain_read(plain)
-    finally:
-        plain.unlink()
 
 
 async def touch_all_step(km: Any, kc: Any, expect_sum: str, lazy: bool, cold: bool) -> float:

@@ -1,14 +1,18 @@
-"""One engine switch on and off, side by side: lazy resume to first output.
+"""One engine setting at two values, side by side: lazy resume to first output, all in.
 
-For each size, one kernel is suspended and resumed REPEAT times with the boolean
-CheckpointEngine setting SWITCH on and as many times off, alternating which goes first.
-Before each resume: IDLE s of waiting (0: none), then `drop_caches` (the image, and the
-kernel's libraries too, as after a long idle on a busy machine). Each resume is timed to
-its first output, and split as idle_bench.py does: the checks before CRIU, `criu
-restore`, the gate's IOPub confirmation. Needs root (CRIU, drop_caches).
+For each size, one kernel is suspended and resumed REPEAT times with the CheckpointEngine
+setting SWITCH at each of its VALUES (default: a boolean on and off), alternating which
+goes first. Before each resume: IDLE s of waiting (0: none), then `drop_caches` (the
+image, and the kernel's libraries too, as after a long idle on a busy machine). Each
+resume is timed to its first output, split as idle_bench.py does (the checks before
+CRIU, `criu restore`, the gate's IOPub confirmation), and to all pages in; beside each
+pair, a plain cold read of as many bytes (turns first with the resumes: on a VM whose
+host takes back free memory, whichever runs second finds the memory the first freed).
+Needs root (CRIU, drop_caches).
 
-Usage: python bench/switch_bench.py [--switch restore_read_ahead] [--sizes 1,4]
-       [--repeat 4] [--idle 0] [--json PATH]
+Usage: python bench/switch_bench.py [--switch restore_read_ahead] [--values on,off]
+       [--sizes 1,4] [--repeat 4] [--idle 0] [--json PATH]
+       python bench/switch_bench.py --switch lazy_copy_threads --values 4,1 --sizes 4,8
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import shutil
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchlib import (
@@ -30,34 +35,63 @@ from benchlib import (
     fill,
     machine_info,
     med,
+    plain_cold_read,
     resume_after_idle,
     start_kernel,
     stop_kernel,
 )
 
 ROOT = Path(__file__).resolve().parent.parent
-KEYS = ("first_output_s", "check_s", "restore_s", "iopub_s")
+KEYS = ("first_output_s", "all_in_s", "all_in_vs_read", "check_s", "restore_s", "iopub_s")
 
 
-async def bench_size(size: float, switch: str, repeat: int, idle: float, root: Path) -> dict:
+def parse_values(trait: Any, text: str) -> list[Any] | None:
+    """The two values to compare, as the setting's type (bool: on/off, true/false)."""
+    words = [w.strip() for w in text.split(",") if w.strip()]
+    if len(words) != 2:
+        return None
+    if isinstance(trait.default_value, bool):
+        truth = {"on": True, "true": True, "1": True, "off": False, "false": False, "0": False}
+        vals = [truth.get(w.lower()) for w in words]
+        return None if None in vals else vals
+    try:
+        vals = [type(trait.default_value)(w) for w in words]
+        for v in vals:
+            trait.validate(None, v)
+    except Exception:
+        return None
+    return vals
+
+
+async def bench_size(
+    size: float, switch: str, values: list[Any], repeat: int, idle: float, root: Path
+) -> dict:
     work = Path(tempfile.mkdtemp(prefix="cedana-bench-work-"))
     km, kc = await start_kernel(root, work)
     engine = km.provisioner.engine
-    rows: dict[bool, list[dict[str, float]]] = {True: [], False: []}
+    rows: dict[str, list[dict[str, Any]]] = {str(v): [] for v in values}
     try:
         await fill(kc, km.provisioner.pid, int(size * GB))
-        print(f"\n== {size:g} GB kernel, {switch} on and off", flush=True)
+        print(f"\n== {size:g} GB kernel, {switch} = {values[0]} and {values[1]}", flush=True)
         for i in range(repeat):
-            for value in (True, False) if i % 2 == 0 else (False, True):
+            for value in values if i % 2 == 0 else values[::-1]:
                 setattr(engine, switch, value)
+                read_first = (i // 2) % 2 == 1
+                nbytes = int(size * GB)
+                read_s = plain_cold_read(root, nbytes, True) if read_first else None
                 r = await resume_after_idle(km, kc, idle, lazy=True)
                 if not r["lazy"]:
                     raise RuntimeError("the resume was not lazy: nothing to compare")
-                rows[value].append(r)
+                if read_s is None:
+                    read_s = plain_cold_read(root, r["image_bytes"], True)
+                r["plain_read_s"] = read_s
+                r["all_in_vs_read"] = r["all_in_s"] / read_s
+                rows[str(value)].append(r)
                 print(
                     f"  [{i}] {switch}={value}: first output {r['first_output_s']:.3f} s "
                     f"(checks {r['check_s']:.3f}, CRIU {r['restore_s']:.3f}, IOPub "
-                    f"{r['iopub_s']:.3f})",
+                    f"{r['iopub_s']:.3f}), all in {r['all_in_s']:.3f} s (plain cold read "
+                    f"{read_s:.3f} s{', first' if read_first else ''})",
                     flush=True,
                 )
     finally:
@@ -66,8 +100,9 @@ async def bench_size(size: float, switch: str, repeat: int, idle: float, root: P
         shutil.rmtree(work, ignore_errors=True)
     return {
         "size_gb": size,
-        **{f"{'on' if v else 'off'}_{k}": med(rows[v], k) for v in (True, False) for k in KEYS},
-        "cycles": {"on": rows[True], "off": rows[False]},
+        "values": [str(v) for v in values],
+        **{f"{v}_{k}": med(rows[str(v)], k) for v in values for k in KEYS},
+        "cycles": rows,
     }
 
 
@@ -80,23 +115,28 @@ async def main_async(args: argparse.Namespace) -> int:
     if engine is None:
         return 2
     trait = engine.traits().get(args.switch)
-    if trait is None or not isinstance(trait.default_value, bool):
-        print(f"CheckpointEngine.{args.switch} is not a boolean setting")
+    values = parse_values(trait, args.values) if trait is not None else None
+    if trait is None or not trait.metadata.get("config") or values is None:
+        print(f"CheckpointEngine.{args.switch} does not take the two values {args.values!r}")
         return 2
     machine = machine_info(root)
     results = []
     try:
         for size in [float(x) for x in args.sizes.split(",") if x.strip()]:
-            results.append(await bench_size(size, args.switch, args.repeat, args.idle, root))
+            results.append(
+                await bench_size(size, args.switch, values, args.repeat, args.idle, root)
+            )
     finally:
         if not args.root:
             shutil.rmtree(root, ignore_errors=True)
-    print(f"\nmedians (s), {args.switch} on / off")
-    print(f"{'GB':>5} | {'first output':>15} | {'checks':>15} | {'CRIU':>15} | {'IOPub':>15}")
+    a, b = values
+    print(f"\nmedians (s; all in / read: of the per-resume ratios), {args.switch} = {a} / {b}")
+    heads = ("first output", "all in", "all in / read", "checks", "CRIU", "IOPub")
+    print(f"{'GB':>5} | " + " | ".join(f"{h:>15}" for h in heads))
     for s in results:
         print(
             f"{s['size_gb']:>5g} | "
-            + " | ".join(f"{s['on_' + k]:>6.3f} / {s['off_' + k]:<6.3f}".rjust(15) for k in KEYS)
+            + " | ".join(f"{s[f'{a}_{k}']:>6.3f} / {s[f'{b}_{k}']:<6.3f}".rjust(15) for k in KEYS)
         )
     machine["loadavg_end"] = os.getloadavg()
     out = Path(args.json)
@@ -110,7 +150,8 @@ async def main_async(args: argparse.Namespace) -> int:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--switch", default="restore_read_ahead", help="a boolean engine setting")
+    ap.add_argument("--switch", default="restore_read_ahead", help="a CheckpointEngine setting")
+    ap.add_argument("--values", default="on,off", help="its two values (comma-separated)")
     ap.add_argument("--sizes", default="1,4", help="kernel sizes in GB (comma-separated)")
     ap.add_argument("--repeat", type=int, default=4, help="resumes each way per size")
     ap.add_argument("--idle", type=float, default=0.0, help="seconds between suspend and resume")

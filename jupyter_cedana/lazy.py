@@ -166,9 +166,17 @@ class PageServer:
     """One cedana-pages daemon serving one restored kernel's memory."""
 
     def __init__(
-        self, binary: str, images: Path, work: Path, pidfile: Path, the_plan: Plan, log: Any
+        self,
+        binary: str,
+        images: Path,
+        work: Path,
+        pidfile: Path,
+        the_plan: Plan,
+        log: Any,
+        copiers: int = 4,
     ):
         self.binary = binary
+        self.copiers = copiers
         self.images = images
         self.work = work
         self.pidfile = pidfile
@@ -192,6 +200,7 @@ class PageServer:
         self._holder = ours
         cmd = [self.binary, "--images", str(self.images), "--map", str(self.plan.map_path)]
         cmd += ["--pidfile", str(self.pidfile), "--holder-fd", str(theirs.fileno())]
+        cmd += ["--copiers", str(self.copiers)]
         (self.work / "lazy-pages.socket").unlink(missing_ok=True)
         log_fd = os.open(self.work / LOG_NAME, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         try:

@@ -211,7 +211,13 @@ class Restoring(GpuSteps):
                     engine.restore_read_ahead,
                 )
                 pages = lazy.PageServer(
-                    engine.pages_binary(), images, work, pidfile, lazy_plan, self.log
+                    engine.pages_binary(),
+                    images,
+                    work,
+                    pidfile,
+                    lazy_plan,
+                    self.log,
+                    copiers=engine.lazy_copy_threads,
                 )
                 await pages.start(verified)
             else:

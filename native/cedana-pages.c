@@ -3,6 +3,7 @@
  * checking each chunk's CRC-32 before any page of it reaches the process.
  *
  *   cedana-pages --images DIR --map FILE --pidfile FILE --holder-fd FD [--pause-file PATH]
+ *                [--copiers N]
  *
  * It runs in the work directory of `criu restore --lazy-pages` (the restore's -W) and
  * stands in for `criu lazy-pages`, speaking its protocol on lazy-pages.socket there: CRIU
@@ -19,13 +20,23 @@
  * address range, page file, offset. The main thread serves page faults, each with the
  * chunk that holds the page, and keeps the runs up to date through fork, mremap, munmap
  * and madvise(DONTNEED) events, as CRIU's daemon does. Meanwhile the remaining pages come
- * in file order, a block at a time: a reader thread reads and checks blocks ahead while a
- * copier thread copies the ones before (the disk, the checksums and the copies overlap).
- * They continue from the last fault, so a cell that walks through its memory finds it
- * coming in ahead of it.
+ * in file order, a block at a time: a reader thread reads and checks blocks ahead while
+ * copier threads (--copiers, 4) copy the ones before, each its own block (the disk, the
+ * checksums and the copies overlap). They continue from the last fault, so a cell that
+ * walks through its memory finds it coming in ahead of it.
  *
- * One lock over the runs: a copy and an event never interleave (a page copied into an
- * area madvise(DONTNEED) just emptied would bring back stale data).
+ * Several copiers because a copy into memory that is new to the process mostly waits: on
+ * a VM each new page can cost a fault on the host, and where the host has taken the
+ * guest's free memory back (free page reporting) that is most of a copy's time; copies
+ * running side by side overlap those waits (measured on 2 vCPUs, 8 GB into such memory:
+ * 11.5 s with one copier, 5.3 s with four).
+ *
+ * Locks: `mu` over the runs and the slots; `placing` between copying and the runs
+ * changing under events: copiers hold it shared while they copy (outside mu), the main
+ * thread exclusively while it reads events and serves faults, so that a copy and an event
+ * never interleave (a page copied into an area madvise(DONTNEED) just emptied would bring
+ * back stale data). Copiers copy disjoint blocks, so their copies need no more than that.
+ * Order: placing, then mu.
  *
  * A chunk whose CRC differs, a short read (a truncated file) or a read error: nothing of
  * it is copied, "error ..." is reported and the daemon stops serving but keeps its
@@ -80,7 +91,8 @@
 #define RESTORE_FINISHED 0x52535446
 #define PAGE 4096ULL
 #define BLOCK (4ULL << 20) /* background transfer: bytes read per step */
-#define SLOTS 4		   /* blocks read and checked ahead of the copies */
+#define SLOTS 8		   /* blocks read and checked ahead of the copies, or being copied */
+#define MAX_COPIERS SLOTS
 #define PROGRESS_EVERY (64ULL << 20)
 #define MAX_STRIKES 1000
 #define ORPHAN_GRACE_S 10 /* failed and the server gone: give its keeper time to kill */
@@ -239,6 +251,8 @@ struct span {
 
 /* Everything below is under `mu`, but the page files and the chunk size (read-only). */
 static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_rwlock_t placing; /* see the top: shared to copy, exclusive for events */
+static int ncopiers = 4;
 static pthread_cond_t cv = PTHREAD_COND_INITIALIZER;
 static uint64_t chunk_size;
 static struct pfile *files;
@@ -254,7 +268,7 @@ static int rootfd = -1;
 static uint64_t bytes_done, bytes_total, last_progress;
 static struct span cursor;	     /* where the reader claims its next block */
 static struct span claimed[SLOTS]; /* blocks being read or copied (hi == 0: a free slot) */
-static int ready[SLOTS];	   /* read and checked, to be copied */
+static int ready[SLOTS];	   /* read and checked, no copier on it yet */
 static uint64_t claim_seq[SLOTS], next_seq;
 static unsigned char *slot_buf[SLOTS];
 static double t_start, t_read, t_crc, t_copy; /* where the time went, for the log */
@@ -582,15 +596,24 @@ static void gone(struct task *t)
 
 enum { COPIED, RETRY, GONE };
 
-/* UFFDIO_COPY of [dst, dst+len) (inside one run) from src; what lands leaves the runs. */
+/* UFFDIO_COPY of [dst, dst+len) (inside one run) from src; what lands leaves the runs.
+ * Called with mu and `placing` held (either way); mu is let go during each copy, so that
+ * the other copiers copy meanwhile: only they change the runs then, each in its own block. */
 static int copy(struct task *t, uint64_t dst, const unsigned char *src, uint64_t len)
 {
 	uint64_t try = len;
 	while (len) {
 		struct uffdio_copy c = {.dst = dst, .src = (uint64_t)(uintptr_t)src, .len = try};
+		int uffd = t->uffd;
 		double t0 = now_s();
-		int rc = ioctl(t->uffd, UFFDIO_COPY, &c);
+		pthread_mutex_unlock(&mu);
+		int rc = ioctl(uffd, UFFDIO_COPY, &c);
+		int saved = errno;
+		pthread_mutex_lock(&mu);
+		errno = saved;
 		t_copy += now_s() - t0;
+		if (t->gone)
+			return GONE;
 		uint64_t landed = rc == 0 ? try : (c.copy > 0 ? (uint64_t)c.copy : 0);
 		int err = rc == 0 ? 0 : (c.copy < 0 ? (int)-c.copy : errno);
 		if (landed) {
@@ -1042,7 +1065,8 @@ static void *reader(void *arg)
 	return NULL;
 }
 
-/* Copies the read blocks into the processes, oldest first, while the next are read. */
+/* Copies the read blocks into the processes, oldest first, while the next are read; each
+ * copier takes the oldest block no other copier has taken. */
 static void *copier(void *arg)
 {
 	(void)arg;
@@ -1058,17 +1082,23 @@ static void *copier(void *arg)
 			wait_a_little();
 			continue;
 		}
+		ready[s] = 0;
 		struct span b = claimed[s];
 		for (int k = 0; k < ntasks && !failed; k++) {
 			struct task *t = tasks[k];
-			while (!t->gone && !failed && serve(t, b.file, b.lo, b.hi, slot_buf[s]) == RETRY) {
-				/* An event is pending: let the main thread read it, then retry. */
+			int rc = RETRY;
+			while (rc == RETRY && !t->gone && !failed) {
 				pthread_mutex_unlock(&mu);
-				usleep(200);
+				pthread_rwlock_rdlock(&placing);
+				pthread_mutex_lock(&mu);
+				rc = serve(t, b.file, b.lo, b.hi, slot_buf[s]);
+				pthread_mutex_unlock(&mu);
+				pthread_rwlock_unlock(&placing);
+				if (rc == RETRY) /* an event is pending: let the main thread read it */
+					usleep(200);
 				pthread_mutex_lock(&mu);
 			}
 		}
-		ready[s] = 0;
 		claimed[s].hi = 0;
 		/* Served to every process: its page cache is of no more use (a fork later
 		 * reads it again), and a restore should not hold the kernel's memory twice. */
@@ -1135,14 +1165,22 @@ int main(int argc, char **argv)
 			pause_file = argv[++i];
 		else if (strcmp(argv[i], "--pidfile") == 0 && i + 1 < argc)
 			pidfile = argv[++i];
+		else if (strcmp(argv[i], "--copiers") == 0 && i + 1 < argc)
+			ncopiers = atoi(argv[++i]);
 		else
 			break;
 	}
-	if (!map || !images) {
+	if (!map || !images || ncopiers < 1 || ncopiers > MAX_COPIERS) {
 		fprintf(stderr, "usage: cedana-pages --images DIR --map FILE [--pidfile FILE] "
-				"[--holder-fd FD] [--pause-file PATH]   (in the restore's work directory)\n");
+				"[--holder-fd FD] [--pause-file PATH] [--copiers 1-%d]   (in the "
+				"restore's work directory)\n", MAX_COPIERS);
 		return 2;
 	}
+	pthread_rwlockattr_t rwa;
+	pthread_rwlockattr_init(&rwa);
+	/* The main thread serves the page faults: copiers must not keep it waiting. */
+	pthread_rwlockattr_setkind_np(&rwa, PTHREAD_RWLOCK_PREFER_WRITER_NONRECURSIVE_NP);
+	pthread_rwlock_init(&placing, &rwa);
 	signal(SIGPIPE, SIG_IGN);
 	if (crc_setup() < 0) {
 		say("error cannot load crc32 from libz.so.1: %s", dlerror());
@@ -1173,11 +1211,15 @@ int main(int argc, char **argv)
 	for (int i = 0; i < SLOTS; i++)
 		if (posix_memalign((void **)&slot_buf[i], PAGE, BLOCK))
 			die("out of memory");
-	pthread_t th[2];
-	if (pthread_create(&th[0], NULL, reader, NULL) || pthread_create(&th[1], NULL, copier, NULL))
+	pthread_t th;
+	if (pthread_create(&th, NULL, reader, NULL))
 		die("pthread_create");
-	pthread_detach(th[0]);
-	pthread_detach(th[1]);
+	pthread_detach(th);
+	for (int i = 0; i < ncopiers; i++) {
+		if (pthread_create(&th, NULL, copier, NULL))
+			die("pthread_create");
+		pthread_detach(th);
+	}
 
 	for (;;) {
 		struct epoll_event evs[32];
@@ -1228,15 +1270,26 @@ int main(int argc, char **argv)
 				if (read(wakefd, &v, sizeof(v)) < 0 && errno != EAGAIN)
 					die("eventfd");
 			} else {
+				pthread_rwlock_wrlock(&placing);
 				pthread_mutex_lock(&mu);
 				drain(evs[i].data.ptr, fault_buf);
 				pthread_mutex_unlock(&mu);
+				pthread_rwlock_unlock(&placing);
 			}
 		}
+		pthread_mutex_lock(&mu);
+		pending = 0;
+		for (int i = 0; i < ntasks; i++)
+			pending |= tasks[i]->nfaults > 0;
+		pthread_mutex_unlock(&mu);
+		if (!pending)
+			continue;
+		pthread_rwlock_wrlock(&placing);
 		pthread_mutex_lock(&mu);
 		for (int i = 0; i < ntasks && !failed; i++)
 			if (tasks[i]->nfaults)
 				retry_faults(tasks[i], fault_buf);
 		pthread_mutex_unlock(&mu);
+		pthread_rwlock_unlock(&placing);
 	}
 }

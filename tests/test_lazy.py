@@ -126,6 +126,54 @@ async def test_kernel_runs_while_its_memory_is_still_on_disk(kernel, tmp_path: P
     assert out.strip() == EXPECTED_SUM
 
 
+@pytest.mark.parametrize("copiers", [1, 8])
+async def test_copiers_side_by_side_place_every_page(kernel, tmp_path: Path, copiers: int) -> None:
+    """The background transfer's copiers (CheckpointEngine.lazy_copy_threads) each copy
+    their own blocks into the kernel, while its cells fault pages in: every value is
+    back, whatever their number."""
+    kc = kernel.test_client
+    prov = kernel.provisioner
+    big = "b = np.arange(24 << 20, dtype=np.int64) * 7\nprint(b.ctypes.data)"  # 192 MiB
+    _, out = await run(kc, FILL + "\n" + big)
+    await prov.suspend()
+    prov.engine.lazy_copy_threads = copiers
+    hold = hold_transfer(prov, tmp_path)
+    await prov.resume()
+    (server,) = page_servers(prov.kernel_id_str)
+    cmd = Path(f"/proc/{server}/cmdline").read_bytes().split(b"\0")
+    assert cmd[cmd.index(b"--copiers") + 1] == str(copiers).encode()
+    await wait_iopub(kc)
+    hold.unlink()
+    # A cell reads both arrays while the copiers bring in the rest.
+    _, out = await run(kc, "print(int(a.sum()), int(b[::512].sum()), int(b[-1]))")
+    n = 24 << 20
+    assert out.split() == [
+        EXPECTED_SUM,
+        str(7 * 512 * (n // 512) * (n // 512 - 1) // 2),
+        str(7 * (n - 1)),
+    ]
+    await prov.memory_loaded()
+    assert prov.state == KernelState.running
+    _, out = await run(kc, "print(bool((b == np.arange(24 << 20) * 7).all()), int(a.sum()))")
+    assert out.split() == ["True", EXPECTED_SUM]
+    log = (prov.engine.store.work_dir(prov.kernel_id_str) / "pages.log").read_text()
+    assert re.search(r"cedana-pages: (\d+) bytes in", log), log
+    assert int(re.search(r"cedana-pages: (\d+) bytes in", log)[1]) >= 192 << 20
+
+
+def test_page_server_refuses_a_bad_number_of_copiers(tmp_path: Path) -> None:
+    import subprocess
+
+    for bad in ("0", "9", "x"):
+        p = subprocess.run(
+            [str(PAGES), "--images", str(tmp_path), "--map", str(tmp_path / "m"), "--copiers", bad],
+            capture_output=True,
+            text=True,
+            cwd=tmp_path,
+        )
+        assert p.returncode == 2 and "--copiers 1-8" in p.stderr, (bad, p.stderr)
+
+
 def private_file_maps(pids: set[int]) -> dict[str, list[tuple[int, int]]]:
     """path -> [(file offset, length)] of the private file mappings of running `pids`."""
     maps: dict[str, list[tuple[int, int]]] = {}
