@@ -35,7 +35,7 @@ from .integrity import CHUNK_SIZE, ChunkHasher, is_page_file, start_writeback
 
 SOCKET_NAME = "streamer-capture.sock"  # CRIU's img-streamer.c
 _BUF = 4 << 20
-_BUFFERS = 4  # per capture: the writer may hold 3 while the receiver fills one
+_WRITERS = 4  # writes in flight: a virtual disk is faster with more than one queued
 _PIPE_SIZE = 1 << 20  # CRIU's own page pipes' size: one splice per pipe-full
 _F_SETPIPE_SZ = 1031
 _WRITEBACK_STEP = 32 << 20
@@ -85,6 +85,7 @@ class _Sink:
         self.hasher = ChunkHasher(chunk_size)  # page files: every byte received
         self.zero = 0  # bytes of all-zero chunks not written
         self.synced = 0
+        self.writing = 0  # buffers of it handed to the writers and not yet written
         self.buf: mmap.mmap | None = None
         self.fill = 0
 
@@ -107,21 +108,33 @@ class ImageCapture:
     file, (size, chunk CRCs), `zero_bytes` the all-zero chunks not written, and `error`
     why receiving failed (CRIU then fails too: its pipes are closed on it)."""
 
-    def __init__(self, directory: Path, chunk_size: int = CHUNK_SIZE, direct: bool = True):
+    def __init__(
+        self,
+        directory: Path,
+        chunk_size: int = CHUNK_SIZE,
+        direct: bool = True,
+        writers: int | None = None,
+    ):
         self._dir = directory
         self._chunk_size = chunk_size
         self._zeros = bytes(chunk_size)
         self._direct = direct
         self._pool: queue.Queue[mmap.mmap] = queue.Queue()
         # (file, offset, buffer, bytes in it, its chunks that are zeros); a None buffer
-        # closes the file; None ends the writer.
+        # closes the file, once its buffers are written; None ends a writer.
         self._writes: queue.Queue[_Write | None] = queue.Queue()
+        self._written = threading.Condition()  # over the sinks' `writing` and `synced`
+        writers = writers or _WRITERS
+        self._max_buffers = writers + 2
         self._buffers = 0
         self._criu_gone = threading.Event()
         self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         self._receiver = threading.Thread(target=self._receive, name="cedana-capture", daemon=True)
-        self._writer = threading.Thread(target=self._write, name="cedana-capture-w", daemon=True)
+        self._writers = [
+            threading.Thread(target=self._write, name=f"cedana-capture-w{i}", daemon=True)
+            for i in range(writers)
+        ]
         self.sums: dict[str, tuple[int, list[int]]] = {}
         self.zero_bytes = 0
         self.direct_files = 0
@@ -135,7 +148,8 @@ class ImageCapture:
             self._close_listener()
             raise
         self._receiver.start()
-        self._writer.start()
+        for w in self._writers:
+            w.start()
         return self
 
     def _bind(self) -> None:
@@ -156,7 +170,8 @@ class ImageCapture:
         with contextlib.suppress(OSError):
             os.write(self._wake_w, b"x")
         self._receiver.join()
-        self._writer.join()
+        for w in self._writers:
+            w.join()
         os.close(self._wake_r)
         os.close(self._wake_w)
         with contextlib.suppress(OSError):
@@ -237,7 +252,8 @@ class ImageCapture:
                 conn.close()
             self._close_listener()
             sel.close()
-            self._writes.put(None)
+            for _ in self._writers:
+                self._writes.put(None)
 
     def _accept_file(self, conn: socket.socket) -> _Sink | None:
         header = _recv_exact(conn, 4)
@@ -298,7 +314,7 @@ class ImageCapture:
         while True:
             with contextlib.suppress(queue.Empty):
                 return self._pool.get_nowait()
-            if self._buffers < _BUFFERS:
+            if self._buffers < self._max_buffers:
                 self._buffers += 1
                 return mmap.mmap(-1, _BUF)  # page aligned, as O_DIRECT needs
             with contextlib.suppress(queue.Empty):
@@ -321,6 +337,9 @@ class ImageCapture:
             if view[k * size : (k + 1) * size] == self._zeros
         }
         view.release()
+        sink.zero += len(zero) * size
+        with self._written:
+            sink.writing += 1
         self._writes.put((sink, offset, sink.buf, n, zero))
         sink.buf = None
 
@@ -335,19 +354,27 @@ class ImageCapture:
         else:
             sink.close()
 
-    # The writing thread: a buffer's non-zero chunk runs go to disk while the next fills.
+    # The writing threads: a buffer's non-zero chunk runs go to disk while the next fill,
+    # several buffers at once (each at its own offset); a file is closed once all are in.
 
     def _write(self) -> None:
         while (item := self._writes.get()) is not None:
             sink, offset, buf, n, zero = item
             if buf is None:
+                with self._written:
+                    while sink.writing:
+                        self._written.wait()
                 self._guard(sink, sink.close)
                 if self.error is None:
-                    self.zero_bytes += sink.zero
+                    with self._written:
+                        self.zero_bytes += sink.zero
                 continue
             if self.error is None:
                 self._guard(sink, self._write_buffer, sink, offset, buf, n, zero)
             self._pool.put(buf)
+            with self._written:
+                sink.writing -= 1
+                self._written.notify_all()
 
     def _guard(self, sink: _Sink, work: Any, *args: Any) -> None:
         try:
@@ -371,11 +398,14 @@ class ImageCapture:
             elif run is not None:
                 _pwrite_all(sink.fd, view[run : min(i * size, end)], offset + run)
                 run = None
-        sink.zero += len(zero) * size
         view.release()
-        if not sink.direct and offset + end - sink.synced >= _WRITEBACK_STEP:
-            start_writeback(sink.fd, sink.synced, offset + end - sink.synced)
-            sink.synced = offset + end
+        if not sink.direct:
+            with self._written:  # writers finish out of order: start what lies behind
+                start = sink.synced if offset + end - sink.synced >= _WRITEBACK_STEP else -1
+                if start >= 0:
+                    sink.synced = offset + end
+            if start >= 0:
+                start_writeback(sink.fd, start, offset + end - start)
 
 
 def _recv_exact(conn: socket.socket, n: int) -> bytes | None:

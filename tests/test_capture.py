@@ -10,6 +10,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -136,6 +137,71 @@ def test_a_streamed_image_is_the_one_criu_writes_itself(
     )
     assert restored.returncode == 0, (streamed / "restore.log").read_text()[-2000:]
     assert digest_of(pid, tmp_path) == before
+
+
+def test_a_file_is_closed_only_once_every_write_of_it_is_in(
+    tmp_path: Path, filler: subprocess.Popen[bytes], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Several writers write one file's buffers at once. With the file's first write held
+    until CRIU has sent all of the image and exited, and a writer has taken the order to
+    close the file, that writer waits for the held write: the file is closed after it
+    (a write after the close would go to a closed descriptor, or to whatever file took
+    its number next), and CRIU restores the process from the image, intact."""
+    import threading
+
+    from jupyter_cedana import capture as capture_module
+
+    held, release, closed = threading.Event(), threading.Event(), threading.Event()
+    went_to: list[str] = []  # where the held write's descriptor leads after, and before
+    real_write, real_close = capture_module._pwrite_all, capture_module._Sink.close
+
+    def first_write_held(fd: int, data: memoryview, offset: int) -> None:
+        if not held.is_set():
+            target = os.readlink(f"/proc/self/fd/{fd}")
+            held.set()
+            assert release.wait(60)
+            with contextlib.suppress(OSError):
+                went_to.append(os.readlink(f"/proc/self/fd/{fd}"))
+            went_to.append(target)
+        real_write(fd, data, offset)
+
+    def close(sink: Any) -> None:
+        real_close(sink)
+        if sink.pages:
+            closed.set()
+
+    monkeypatch.setattr(capture_module, "_pwrite_all", first_write_held)
+    monkeypatch.setattr(capture_module._Sink, "close", close)
+    before = digest_of(filler.pid, tmp_path)
+    images = tmp_path / "images"
+    images.mkdir()
+    capture = ImageCapture(images, writers=4).start()
+    dumped = criu_dump(filler.pid, images, stream=True)
+    assert dumped.returncode == 0, (images / "dump.log").read_text()[-2000:]
+    assert held.is_set() and capture.error is None
+    # The close order taken: its writer waits for the held write (or, were it not to,
+    # the file is closed already).
+    deadline = time.monotonic() + 30
+    while not (capture._written._waiters or closed.is_set()):  # type: ignore[attr-defined]
+        assert time.monotonic() < deadline, "no writer took the close of the page file"
+        time.sleep(0.01)
+    release.set()
+    sums = capture.finish()
+    assert len(went_to) == 2 and went_to[0] == went_to[1], went_to
+    assert capture.error is None and sums
+    for name, (size, crcs) in sums.items():
+        assert (size, crcs) == chunk_crcs(images / name)
+    filler.kill()
+    filler.wait()
+    restored = subprocess.run(
+        ["criu", "restore", "-D", str(images), "-o", "restore.log", "--shell-job", "-d"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert restored.returncode == 0, (images / "restore.log").read_text()[-2000:]
+    assert digest_of(filler.pid, tmp_path) == before
 
 
 def test_a_full_disk_fails_the_dump_with_the_reason_and_leaves_the_process(
