@@ -108,12 +108,15 @@ class CheckpointEngine(SingletonConfigurable):
         4,
         min=1,
         max=8,
-        help="Threads of a lazy restore's page server that copy the memory read from the "
-        "image into the kernel, each its own block. A copy into memory new to the kernel "
-        "mostly waits for the page to be given to it (on a VM: a fault on the host, long "
-        "where the host has taken the guest's free memory back), and copies side by side "
-        "overlap those waits: measured on 2 vCPUs, 8 GB placed in 5.3 s by 4 threads "
-        "against 11.5 s by one (docs/benchmarks.md).",
+        help="Threads that copy the memory read from the image into the kernels being "
+        "lazily restored, each its own block, shared by the restores running at once: a "
+        "restore's page server takes what is left of this when it starts, and at least one. "
+        "A copy into memory new to the kernel mostly waits for the page to be given to it "
+        "(on a VM: a fault on the host, long where the host has taken the guest's free "
+        "memory back), and copies side by side overlap those waits: measured on 2 vCPUs, "
+        "8 GB placed in 5.3 s by 4 threads against 11.5 s by one; with many restores at "
+        "once each one's single copier overlaps with the others' already, and more would "
+        "take the CPU their kernels need (docs/benchmarks.md).",
     ).tag(config=True)
 
     restore_read_ahead = Bool(

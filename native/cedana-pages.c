@@ -91,6 +91,7 @@
 #define RESTORE_FINISHED 0x52535446
 #define PAGE 4096ULL
 #define BLOCK (4ULL << 20) /* background transfer: bytes read per step */
+#define STEP (1ULL << 20)  /* and copied per hold of `placing`: what a fault may wait for */
 #define SLOTS 8		   /* blocks read and checked ahead of the copies, or being copied */
 #define MAX_COPIERS SLOTS
 #define PROGRESS_EVERY (64ULL << 20)
@@ -1086,17 +1087,20 @@ static void *copier(void *arg)
 		struct span b = claimed[s];
 		for (int k = 0; k < ntasks && !failed; k++) {
 			struct task *t = tasks[k];
-			int rc = RETRY;
-			while (rc == RETRY && !t->gone && !failed) {
-				pthread_mutex_unlock(&mu);
-				pthread_rwlock_rdlock(&placing);
-				pthread_mutex_lock(&mu);
-				rc = serve(t, b.file, b.lo, b.hi, slot_buf[s]);
-				pthread_mutex_unlock(&mu);
-				pthread_rwlock_unlock(&placing);
-				if (rc == RETRY) /* an event is pending: let the main thread read it */
-					usleep(200);
-				pthread_mutex_lock(&mu);
+			for (uint64_t lo = b.lo; lo < b.hi && !t->gone && !failed; lo += STEP) {
+				uint64_t hi = b.hi - lo < STEP ? b.hi : lo + STEP;
+				int rc = RETRY;
+				while (rc == RETRY && !t->gone && !failed) {
+					pthread_mutex_unlock(&mu);
+					pthread_rwlock_rdlock(&placing);
+					pthread_mutex_lock(&mu);
+					rc = serve(t, b.file, lo, hi, slot_buf[s] + (lo - b.lo));
+					pthread_mutex_unlock(&mu);
+					pthread_rwlock_unlock(&placing);
+					if (rc == RETRY) /* an event is pending: let the main thread read it */
+						usleep(200);
+					pthread_mutex_lock(&mu);
+				}
 			}
 		}
 		claimed[s].hi = 0;

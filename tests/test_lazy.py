@@ -23,7 +23,16 @@ import jupyter_cedana
 from jupyter_cedana import crimg, lazy, readahead
 from jupyter_cedana.engine import CheckpointEngine
 from jupyter_cedana.provisioner import KernelState
-from tests.conftest import alive, exited, kernel_pids, run, stand_in_server, wait_iopub
+from tests.conftest import (
+    alive,
+    exited,
+    kernel_pids,
+    run,
+    stand_in_server,
+    start_kernel,
+    stop_kernel,
+    wait_iopub,
+)
 
 pytestmark = pytest.mark.criu
 
@@ -159,6 +168,46 @@ async def test_copiers_side_by_side_place_every_page(kernel, tmp_path: Path, cop
     log = (prov.engine.store.work_dir(prov.kernel_id_str) / "pages.log").read_text()
     assert re.search(r"cedana-pages: (\d+) bytes in", log), log
     assert int(re.search(r"cedana-pages: (\d+) bytes in", log)[1]) >= 192 << 20
+
+
+async def test_restores_at_once_share_the_copiers(
+    kernel, engine_config: Any, tmp_path: Path
+) -> None:
+    """The first restore's page server takes the copier budget, one started while it
+    loads gets a single copier, and once the first is done the budget is free again."""
+    other_dir = tmp_path / "other"
+    other_dir.mkdir()
+    other = await start_kernel(engine_config, other_dir)
+    try:
+        kms = [kernel, other]
+        for km in kms:
+            await suspended_with_array(km)
+            km.provisioner.engine.lazy_copy_threads = 3
+        hold = hold_transfer(kernel.provisioner, tmp_path)
+
+        def copiers_of(km: Any) -> int:
+            (server,) = page_servers(km.provisioner.kernel_id_str)
+            cmd = Path(f"/proc/{server}/cmdline").read_bytes().split(b"\0")
+            return int(cmd[cmd.index(b"--copiers") + 1])
+
+        for km in kms:
+            await km.provisioner.resume()
+        assert [copiers_of(km) for km in kms] == [3, 1]
+        assert lazy.PageServer.copiers_busy == 4
+        hold.unlink()
+        for km in kms:
+            await km.provisioner.memory_loaded()
+        assert lazy.PageServer.copiers_busy == 0
+        await other.provisioner.suspend()
+        hold.touch()
+        await other.provisioner.resume()
+        assert copiers_of(other) == 3
+        hold.unlink()
+        await other.provisioner.memory_loaded()
+        _, out = await run(other.test_client, SUM)
+        assert out.strip() == EXPECTED_SUM
+    finally:
+        await stop_kernel(other)
 
 
 def test_page_server_refuses_a_bad_number_of_copiers(tmp_path: Path) -> None:
