@@ -157,6 +157,24 @@ def plain_cold_read(root: Path, nbytes: int, cold: bool) -> float:
         plain.unlink()
 
 
+def parse_values(trait: Any, text: str) -> list[Any] | None:
+    """The two values to compare, as the setting's type (bool: on/off, true/false)."""
+    words = [w.strip() for w in text.split(",") if w.strip()]
+    if len(words) != 2:
+        return None
+    if isinstance(trait.default_value, bool):
+        truth = {"on": True, "true": True, "1": True, "off": False, "false": False, "0": False}
+        vals = [truth.get(w.lower()) for w in words]
+        return None if None in vals else vals
+    try:
+        vals = [type(trait.default_value)(w) for w in words]
+        for v in vals:
+            trait.validate(None, v)
+    except Exception:
+        return None
+    return vals
+
+
 def med(rows: list[dict[str, Any]], key: str) -> float | None:
     vals = [r[key] for r in rows if r.get(key) is not None]
     return statistics.median(vals) if vals else None

@@ -10,8 +10,11 @@ time (from the start of the batch until that kernel was done), and the machine's
 peaks while it ran (used = MemTotal - MemAvailable, page cache, dirty + writeback, swap,
 OOM kills): suspending must not push the machine into swapping or the OOM killer.
 
+--switch NAME --values A,B: every batch twice, with the CheckpointEngine setting NAME at
+A and at B, alternating which goes first (e.g. lazy_copy_threads 4 against 1).
+
 Usage: python bench/many_bench.py [--kernels 10] [--size 0.5] [--limits 1,2,4,10]
-                                  [--repeat 2] [--json PATH]
+                                  [--repeat 2] [--switch NAME --values A,B] [--json PATH]
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from benchlib import (
     machine_info,
     oom_kills,
     output_of,
+    parse_values,
     run,
     start_kernel,
     stop_kernel,
@@ -99,6 +103,14 @@ async def main_async(args: argparse.Namespace) -> int:
     engine = await engine_at(root, stream_dump=not args.no_stream)
     if engine is None:
         return 2
+    values: list[Any] = [None]
+    if args.switch:
+        trait = engine.traits().get(args.switch)
+        got = parse_values(trait, args.values) if trait is not None else None
+        if trait is None or not trait.metadata.get("config") or got is None:
+            print(f"CheckpointEngine.{args.switch} does not take the two values {args.values!r}")
+            return 2
+        values = got
     cold = can_drop_caches()
     machine = machine_info(root)
     print(
@@ -117,7 +129,13 @@ async def main_async(args: argparse.Namespace) -> int:
             expect.append(await fill(kc, km.provisioner.pid, int(args.size * GB)))
         limits = [int(x) for x in args.limits.split(",")]
         for rep in range(args.repeat):
-            for limit in limits:
+            for limit, value in (
+                (limit, value)
+                for limit in limits
+                for value in (values if rep % 2 == 0 else values[::-1])
+            ):
+                if args.switch:
+                    setattr(engine, args.switch, value)
                 os.sync()
                 s = await batch(kernels, limit, suspend)
                 image = sum(km.provisioner.checkpoint_bytes for km, _ in kernels)
@@ -130,6 +148,7 @@ async def main_async(args: argparse.Namespace) -> int:
                         raise RuntimeError("a kernel's state differs after resume")
                 row = {
                     "limit": limit,
+                    "value": None if value is None else str(value),
                     "repeat": rep,
                     "image_bytes": image,
                     "suspend": s,
@@ -138,7 +157,8 @@ async def main_async(args: argparse.Namespace) -> int:
                 }
                 results.append(row)
                 print(
-                    f"[{rep}] N={limit:>2}: suspend total {s['total_s']:.2f} s, slowest "
+                    f"[{rep}] N={limit:>2}{'' if value is None else f' {args.switch}={value}'}:"
+                    f" suspend total {s['total_s']:.2f} s, slowest "
                     f"{s['slowest_done_s']:.2f} s, peak used {s['mem_peak']['used'] / GB:.1f} GB "
                     f"cache {s['mem_peak']['cached'] / GB:.1f} GB dirty "
                     f"{s['mem_peak']['dirty'] / GB:.2f} GB swap {s['mem_peak']['swap_used']} "
@@ -155,10 +175,10 @@ async def main_async(args: argparse.Namespace) -> int:
         if not args.root:
             shutil.rmtree(root, ignore_errors=True)
 
-    def medof(limit: int, path: tuple[str, ...]) -> float:
+    def medof(key: tuple[int, str | None], path: tuple[str, ...]) -> float:
         vals = []
         for row in results:
-            if row["limit"] == limit:
+            if (row["limit"], row["value"]) == key:
                 v: Any = row
                 for p in path:
                     v = v[p]
@@ -166,26 +186,29 @@ async def main_async(args: argparse.Namespace) -> int:
         return statistics.median(vals)
 
     print(
-        f"\n{'N':>3} | {'suspend total':>13} {'slowest':>8} {'peak used':>9} {'cache':>6} "
+        f"\n{'N':>3}{f' {args.switch:>18}' if args.switch else ''} | "
+        f"{'suspend total':>13} {'slowest':>8} {'peak used':>9} {'cache':>6} "
         f"{'dirty':>6} | {'resume total':>12} {'slowest':>8} {'peak used':>9} | {'all in':>6}"
     )
     summary = []
-    for limit in sorted({r["limit"] for r in results}):
+    for key in sorted({(r["limit"], r["value"]) for r in results}, key=str):
         row = {
-            "limit": limit,
-            "suspend_total_s": medof(limit, ("suspend", "total_s")),
-            "suspend_slowest_s": medof(limit, ("suspend", "slowest_done_s")),
-            "suspend_peak_used_gb": medof(limit, ("suspend", "mem_peak", "used")) / GB,
-            "suspend_peak_cache_gb": medof(limit, ("suspend", "mem_peak", "cached")) / GB,
-            "suspend_peak_dirty_gb": medof(limit, ("suspend", "mem_peak", "dirty")) / GB,
-            "resume_total_s": medof(limit, ("resume", "total_s")),
-            "resume_slowest_s": medof(limit, ("resume", "slowest_done_s")),
-            "resume_peak_used_gb": medof(limit, ("resume", "mem_peak", "used")) / GB,
-            "all_in_after_s": medof(limit, ("all_in_after_resume_s",)),
+            "limit": key[0],
+            "value": key[1],
+            "suspend_total_s": medof(key, ("suspend", "total_s")),
+            "suspend_slowest_s": medof(key, ("suspend", "slowest_done_s")),
+            "suspend_peak_used_gb": medof(key, ("suspend", "mem_peak", "used")) / GB,
+            "suspend_peak_cache_gb": medof(key, ("suspend", "mem_peak", "cached")) / GB,
+            "suspend_peak_dirty_gb": medof(key, ("suspend", "mem_peak", "dirty")) / GB,
+            "resume_total_s": medof(key, ("resume", "total_s")),
+            "resume_slowest_s": medof(key, ("resume", "slowest_done_s")),
+            "resume_peak_used_gb": medof(key, ("resume", "mem_peak", "used")) / GB,
+            "all_in_after_s": medof(key, ("all_in_after_resume_s",)),
         }
         summary.append(row)
         print(
-            f"{limit:>3} | {row['suspend_total_s']:>13.2f} {row['suspend_slowest_s']:>8.2f} "
+            f"{key[0]:>3}{f' {key[1]:>18}' if args.switch else ''} | "
+            f"{row['suspend_total_s']:>13.2f} {row['suspend_slowest_s']:>8.2f} "
             f"{row['suspend_peak_used_gb']:>9.1f} {row['suspend_peak_cache_gb']:>6.1f} "
             f"{row['suspend_peak_dirty_gb']:>6.2f} | {row['resume_total_s']:>12.2f} "
             f"{row['resume_slowest_s']:>8.2f} {row['resume_peak_used_gb']:>9.1f} | "
@@ -217,6 +240,8 @@ def main() -> int:
         action="store_true",
         help="CRIU writes the image files itself (CheckpointEngine.stream_dump = False)",
     )
+    ap.add_argument("--switch", help="a CheckpointEngine setting to compare at two values")
+    ap.add_argument("--values", default="on,off", help="its two values (comma-separated)")
     ap.add_argument("--root", help="checkpoint root (default: a fresh dir under /var/tmp)")
     ap.add_argument("--json", default=str(ROOT / "bench" / "results" / "many.json"))
     return asyncio.run(main_async(ap.parse_args()))

@@ -35,6 +35,7 @@ from benchlib import (
     fill,
     machine_info,
     med,
+    parse_values,
     plain_cold_read,
     resume_after_idle,
     start_kernel,
@@ -43,24 +44,6 @@ from benchlib import (
 
 ROOT = Path(__file__).resolve().parent.parent
 KEYS = ("first_output_s", "all_in_s", "all_in_vs_read", "check_s", "restore_s", "iopub_s")
-
-
-def parse_values(trait: Any, text: str) -> list[Any] | None:
-    """The two values to compare, as the setting's type (bool: on/off, true/false)."""
-    words = [w.strip() for w in text.split(",") if w.strip()]
-    if len(words) != 2:
-        return None
-    if isinstance(trait.default_value, bool):
-        truth = {"on": True, "true": True, "1": True, "off": False, "false": False, "0": False}
-        vals = [truth.get(w.lower()) for w in words]
-        return None if None in vals else vals
-    try:
-        vals = [type(trait.default_value)(w) for w in words]
-        for v in vals:
-            trait.validate(None, v)
-    except Exception:
-        return None
-    return vals
 
 
 async def bench_size(

@@ -105,7 +105,7 @@ class CheckpointEngine(SingletonConfigurable):
     ).tag(config=True)
 
     lazy_copy_threads = Integer(
-        4,
+        2,
         min=1,
         max=8,
         help="Threads that copy the memory read from the image into the kernels being "
@@ -114,9 +114,10 @@ class CheckpointEngine(SingletonConfigurable):
         "A copy into memory new to the kernel mostly waits for the page to be given to it "
         "(on a VM: a fault on the host, long where the host has taken the guest's free "
         "memory back), and copies side by side overlap those waits: measured on 2 vCPUs, "
-        "8 GB placed in 5.3 s by 4 threads against 11.5 s by one; with many restores at "
-        "once each one's single copier overlaps with the others' already, and more would "
-        "take the CPU their kernels need (docs/benchmarks.md).",
+        "8 GB placed in 4.8-5.6 s by 2 threads (4.9-5.3 s by 4) against 11.5 s by one, and "
+        "a lazily restored 8 GB kernel all in after 7.9 s against 9.9 s; with many restores "
+        "at once each one's single copier overlaps with the others' already, and more "
+        "would take the CPU their kernels need (docs/benchmarks.md).",
     ).tag(config=True)
 
     restore_read_ahead = Bool(

@@ -180,7 +180,7 @@ class PageServer:
         pidfile: Path,
         the_plan: Plan,
         log: Any,
-        copiers: int = 4,
+        copiers: int = 2,
     ):
         self.binary = binary
         self.copiers_max = copiers

@@ -280,6 +280,7 @@ class Restoring(GpuSteps):
             "check_s": t_checked - t0,  # sizes, admission, what a lazy restore checks first
             "restore_s": t_restored - t_checked,  # CRIU (and a whole restore's checksums)
             "continue_s": time.monotonic() - t_restored,
+            "copiers": pages.copiers if pages is not None else 0,  # its share of the budget
         }
         if pages is not None:
             # The image stays until every page is in.

@@ -21,7 +21,7 @@
  * chunk that holds the page, and keeps the runs up to date through fork, mremap, munmap
  * and madvise(DONTNEED) events, as CRIU's daemon does. Meanwhile the remaining pages come
  * in file order, a block at a time: a reader thread reads and checks blocks ahead while
- * copier threads (--copiers, 4) copy the ones before, each its own block (the disk, the
+ * copier threads (--copiers, 2) copy the ones before, each its own block (the disk, the
  * checksums and the copies overlap). They continue from the last fault, so a cell that
  * walks through its memory finds it coming in ahead of it.
  *
@@ -29,7 +29,7 @@
  * a VM each new page can cost a fault on the host, and where the host has taken the
  * guest's free memory back (free page reporting) that is most of a copy's time; copies
  * running side by side overlap those waits (measured on 2 vCPUs, 8 GB into such memory:
- * 11.5 s with one copier, 5.3 s with four).
+ * 11.5 s with one copier, 4.8-5.6 s with two, 4.9-5.3 s with four).
  *
  * Locks: `mu` over the runs and the slots; `placing` between copying and the runs
  * changing under events: copiers hold it shared while they copy (outside mu), the main
@@ -253,7 +253,7 @@ struct span {
 /* Everything below is under `mu`, but the page files and the chunk size (read-only). */
 static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
 static pthread_rwlock_t placing; /* see the top: shared to copy, exclusive for events */
-static int ncopiers = 4;
+static int ncopiers = 2;
 static pthread_cond_t cv = PTHREAD_COND_INITIALIZER;
 static uint64_t chunk_size;
 static struct pfile *files;
