@@ -254,6 +254,9 @@ class CedanaProvisioner(Checkpointing, TransitionMachine, LocalProvisioner):  # 
             store = self.engine.store
             with contextlib.suppress(Exception):
                 store.remove(self.kernel_id_str)
+        # An image being deleted in the background (after a resume) is not left half gone
+        # by a server that stops right after.
+        await asyncio.gather(*self._chores, return_exceptions=True)
         await super().cleanup(restart=restart)
 
     async def get_provisioner_info(self) -> dict[str, Any]:
