@@ -73,6 +73,21 @@ def digest_of(pid: int, cwd: Path) -> str:
     return (cwd / "digest").read_text()
 
 
+def restored_digest(filler: subprocess.Popen[bytes], images: Path, cwd: Path) -> str:
+    """Kill the process, restore it from `images` with CRIU: the digest of its memory."""
+    filler.kill()
+    filler.wait()
+    restored = subprocess.run(
+        ["criu", "restore", "-D", str(images), "-o", "restore.log", "--shell-job", "-d"],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert restored.returncode == 0, (images / "restore.log").read_text()[-2000:]
+    return digest_of(filler.pid, cwd)
+
+
 def criu_dump(pid: int, images: Path, stream: bool) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         ["criu", "dump", "-t", str(pid), "-D", "." if stream else str(images)]
@@ -126,17 +141,7 @@ def test_a_streamed_image_is_the_one_criu_writes_itself(
     assert blocks <= sums[pages][0] - capture.zero_bytes + CHUNK_SIZE
     assert (streamed / pages).stat().st_size == (plain / pages).stat().st_size
 
-    filler.kill()
-    filler.wait()
-    restored = subprocess.run(
-        ["criu", "restore", "-D", str(streamed), "-o", "restore.log", "--shell-job", "-d"],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert restored.returncode == 0, (streamed / "restore.log").read_text()[-2000:]
-    assert digest_of(pid, tmp_path) == before
+    assert restored_digest(filler, streamed, tmp_path) == before
 
 
 def test_a_file_is_closed_only_once_every_write_of_it_is_in(
@@ -191,17 +196,7 @@ def test_a_file_is_closed_only_once_every_write_of_it_is_in(
     assert capture.error is None and sums
     for name, (size, crcs) in sums.items():
         assert (size, crcs) == chunk_crcs(images / name)
-    filler.kill()
-    filler.wait()
-    restored = subprocess.run(
-        ["criu", "restore", "-D", str(images), "-o", "restore.log", "--shell-job", "-d"],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert restored.returncode == 0, (images / "restore.log").read_text()[-2000:]
-    assert digest_of(filler.pid, tmp_path) == before
+    assert restored_digest(filler, images, tmp_path) == before
 
 
 def test_a_full_disk_fails_the_dump_with_the_reason_and_leaves_the_process(
