@@ -349,12 +349,16 @@ async def gather_timed(coros: list[Any]) -> tuple[float, list[float]]:
 
 
 async def resume_after_idle(km: Any, kc: Any, idle: float, lazy: bool) -> dict[str, Any]:
-    """Suspend to disk, wait `idle` s, drop caches, resume (lazily or whole): the first
-    output of a small cell and where its wait went, all pages in."""
+    """Suspend to disk (until durable), wait `idle` s, drop caches, resume (lazily or
+    whole): the first output of a small cell and where its wait went, all pages in."""
     prov = km.provisioner
     prov.engine.lazy_restore = lazy
     try:
+        os.sync()  # no dirty pages of earlier steps in the suspend's way
+        t = time.perf_counter()
         await prov.suspend(tier="disk")
+        suspend_s = time.perf_counter() - t
+        kill_s = float((prov.last_suspend_breakdown or {}).get("kill_s", 0.0))
         image = int(prov.engine.store.read_manifest(prov.kernel_id_str)["total_bytes"])
         await asyncio.sleep(idle)
         drop_caches()
@@ -373,6 +377,8 @@ async def resume_after_idle(km: Any, kc: Any, idle: float, lazy: bool) -> dict[s
     b = prov.last_resume_breakdown or {}
     return {
         "image_bytes": image,
+        # From calling suspend() until the image was durable: all but the kill after it.
+        "durable_s": suspend_s - kill_s,
         "resume_s": resume_s,
         # Where the wait for the first output goes: the checks before CRIU, CRIU, the
         # kernel's first answer (the gate's IOPub confirmation), the cell itself.

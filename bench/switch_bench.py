@@ -1,10 +1,12 @@
-"""One engine setting at two values, side by side: lazy resume to first output, all in.
+"""One engine setting at two values, side by side: durable suspend, lazy resume to first
+output, all in.
 
 For each size, one kernel is suspended and resumed REPEAT times with the CheckpointEngine
 setting SWITCH at each of its VALUES (default: a boolean on and off), alternating which
 goes first. Before each resume: IDLE s of waiting (0: none), then `drop_caches` (the
 image, and the kernel's libraries too, as after a long idle on a busy machine). Each
-resume is timed to its first output, split as idle_bench.py does (the checks before
+suspend is timed until its image is durable (as suspend_bench.py), each
+resume to its first output, split as idle_bench.py does (the checks before
 CRIU, `criu restore`, the gate's IOPub confirmation), and to all pages in; beside each
 pair, a plain cold read of as many bytes (turns first with the resumes: on a VM whose
 host takes back free memory, whichever runs second finds the memory the first freed).
@@ -43,7 +45,15 @@ from benchlib import (
 )
 
 ROOT = Path(__file__).resolve().parent.parent
-KEYS = ("first_output_s", "all_in_s", "all_in_vs_read", "check_s", "restore_s", "iopub_s")
+KEYS = (
+    "first_output_s",
+    "all_in_s",
+    "all_in_vs_read",
+    "check_s",
+    "restore_s",
+    "iopub_s",
+    "durable_s",
+)
 
 
 async def bench_size(
@@ -71,7 +81,8 @@ async def bench_size(
                 r["all_in_vs_read"] = r["all_in_s"] / read_s
                 rows[str(value)].append(r)
                 print(
-                    f"  [{i}] {switch}={value}: first output {r['first_output_s']:.3f} s "
+                    f"  [{i}] {switch}={value}: suspend {r['durable_s']:.3f} s, "
+                    f"first output {r['first_output_s']:.3f} s "
                     f"(checks {r['check_s']:.3f}, CRIU {r['restore_s']:.3f}, IOPub "
                     f"{r['iopub_s']:.3f}), all in {r['all_in_s']:.3f} s (plain cold read "
                     f"{read_s:.3f} s{', first' if read_first else ''})",
@@ -114,7 +125,7 @@ async def main_async(args: argparse.Namespace) -> int:
             shutil.rmtree(root, ignore_errors=True)
     a, b = values
     print(f"\nmedians (s; all in / read: of the per-resume ratios), {args.switch} = {a} / {b}")
-    heads = ("first output", "all in", "all in / read", "checks", "CRIU", "IOPub")
+    heads = ("first output", "all in", "all in / read", "checks", "CRIU", "IOPub", "suspend")
     print(f"{'GB':>5} | " + " | ".join(f"{h:>15}" for h in heads))
     for s in results:
         print(

@@ -9,9 +9,11 @@ from the pipes CRIU's parasite `vmsplice`d the kernel's memory into, so they are
 once, into our buffers, where each 64 KiB chunk's CRC-32 is taken; then they go to disk
 with direct I/O (`O_DIRECT`), which does not allocate page cache (on a VM whose free memory
 the host reclaims, page-cache writes cost 3-5x the CPU), and all-zero chunks are not written
-at all (holes). A file system refusing `O_DIRECT` is written through the page cache, with
-writeback started as the file grows. The files are the same as CRIU writes itself: restore
-reads them as usual.
+at all (holes). Page files are written through the page cache instead where the file
+system refuses `O_DIRECT` or the engine says so (`direct_image_writes`): writeback is
+started as the file grows, and what is written back is dropped, so that the image holds
+about two steps (32 MiB) of page cache, not its own size. The files are the
+same as CRIU writes itself: restore reads them as usual.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from .crimg import decode
-from .integrity import CHUNK_SIZE, ChunkHasher, is_page_file, start_writeback
+from .integrity import CHUNK_SIZE, ChunkHasher, drop_written, is_page_file, start_writeback
 
 SOCKET_NAME = "streamer-capture.sock"  # CRIU's img-streamer.c
 _BUF = 4 << 20
@@ -84,7 +86,8 @@ class _Sink:
             self.fd = os.open(directory / name, flags, 0o600)
         self.hasher = ChunkHasher(chunk_size)  # page files: every byte received
         self.zero = 0  # bytes of all-zero chunks not written
-        self.synced = 0
+        self.synced = 0  # writeback started up to here
+        self.dropped = 0  # written back and dropped from the page cache up to here
         self.writing = 0  # buffers of it handed to the writers and not yet written
         self.buf: mmap.mmap | None = None
         self.fill = 0
@@ -114,8 +117,10 @@ class ImageCapture:
         chunk_size: int = CHUNK_SIZE,
         direct: bool = True,
         writers: int | None = None,
+        writeback_step: int = _WRITEBACK_STEP,
     ):
         self._dir = directory
+        self._step = writeback_step
         self._chunk_size = chunk_size
         self._zeros = bytes(chunk_size)
         self._direct = direct
@@ -401,11 +406,16 @@ class ImageCapture:
         view.release()
         if not sink.direct:
             with self._written:  # writers finish out of order: start what lies behind
-                start = sink.synced if offset + end - sink.synced >= _WRITEBACK_STEP else -1
+                start = sink.synced if offset + end - sink.synced >= self._step else -1
                 if start >= 0:
                     sink.synced = offset + end
+                    drop_from, sink.dropped = sink.dropped, start
             if start >= 0:
                 start_writeback(sink.fd, start, offset + end - start)
+                # The range started one step before is done by now, or nearly: waiting
+                # for it holds this writer back, and the page cache to about two steps.
+                if start > drop_from:
+                    drop_written(sink.fd, drop_from, start - drop_from)
 
 
 def _recv_exact(conn: socket.socket, n: int) -> bytes | None:

@@ -119,7 +119,11 @@ async def criu_dump(
     ]
     engine.log.debug("running %s", " ".join(cmd))
     t0 = time.monotonic()
-    hasher = ImageCapture(images).start() if stream else FollowingHasher(images).start()
+    hasher = (
+        ImageCapture(images, direct=engine.direct_image_writes).start()
+        if stream
+        else FollowingHasher(images).start()
+    )
     try:
         proc = await asyncio.create_subprocess_exec(
             *cmd,

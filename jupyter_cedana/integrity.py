@@ -144,6 +144,7 @@ _sync_file_range = getattr(_libc, "sync_file_range", None)
 if _sync_file_range is not None:
     _sync_file_range.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
 _SYNC_FILE_RANGE_WRITE = 2
+_SYNC_FILE_RANGE_WAIT = 1 | 2 | 4  # WAIT_BEFORE | WRITE | WAIT_AFTER
 _fallocate = getattr(_libc, "fallocate", None)
 if _fallocate is not None:
     _fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
@@ -171,6 +172,15 @@ def start_writeback(fd: int, offset: int, length: int) -> None:
     """Ask the kernel to start writing a range to disk now, without waiting for it."""
     if _sync_file_range is not None:
         _sync_file_range(fd, offset, length, _SYNC_FILE_RANGE_WRITE)
+
+
+def drop_written(fd: int, offset: int, length: int) -> None:
+    """Wait until a range is written back and drop it from the page cache: a file written
+    through it then holds a bounded amount of memory, reused from range to range, instead
+    of memory as large as itself (not yet durable: the disk's cache needs an fsync)."""
+    if _sync_file_range is not None:
+        _sync_file_range(fd, offset, length, _SYNC_FILE_RANGE_WAIT)
+    os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
 
 
 class FollowingHasher:

@@ -144,6 +144,44 @@ def test_a_streamed_image_is_the_one_criu_writes_itself(
     assert restored_digest(filler, streamed, tmp_path) == before
 
 
+def cached_bytes(path: Path) -> int:
+    """Bytes of a file in the page cache (util-linux's fincore: mincore(2) over it)."""
+    out = subprocess.run(
+        ["fincore", "--bytes", "--noheadings", "--output", "RES", str(path)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return int(out.stdout.strip())
+
+
+def test_an_image_written_through_the_page_cache_holds_little_of_it(
+    tmp_path: Path, filler: subprocess.Popen[bytes]
+) -> None:
+    """Written through the page cache, a page file's ranges are dropped from it once
+    written back: at the end it holds about the last buffer's worth, not the ~29 MiB
+    written (which it held before), and the image is intact."""
+    before = digest_of(filler.pid, tmp_path)
+    images = tmp_path / "images"
+    images.mkdir()
+    capture = ImageCapture(images, direct=False, writers=1, writeback_step=1 << 20).start()
+    dumped = criu_dump(filler.pid, images, stream=True)
+    sums = capture.finish()
+    assert dumped.returncode == 0, (images / "dump.log").read_text()[-2000:]
+    assert capture.error is None and capture.direct_files == 0
+    pages = max(sums, key=lambda n: sums[n][0])
+    written = sums[pages][0] - capture.zero_bytes
+    assert written > 24 << 20
+    assert cached_bytes(images / pages) <= 3 * capture_buffer_size()
+    assert restored_digest(filler, images, tmp_path) == before
+
+
+def capture_buffer_size() -> int:
+    from jupyter_cedana import capture as capture_module
+
+    return capture_module._BUF
+
+
 def test_a_file_is_closed_only_once_every_write_of_it_is_in(
     tmp_path: Path, filler: subprocess.Popen[bytes], monkeypatch: pytest.MonkeyPatch
 ) -> None:
