@@ -12,8 +12,8 @@ the host reclaims, page-cache writes cost 3-5x the CPU), and all-zero chunks are
 at all (holes). Page files are written through the page cache instead where the file
 system refuses `O_DIRECT` or the engine says so (`direct_image_writes`): writeback is
 started as the file grows, and what is written back is dropped, so that the image holds
-about two steps (32 MiB) of page cache, not its own size. The files are the
-same as CRIU writes itself: restore reads them as usual.
+about two 32 MiB steps of page cache, not its own size. The files are the same as CRIU
+writes itself: restore reads them as usual.
 """
 
 from __future__ import annotations

@@ -154,7 +154,7 @@ class CheckpointEngine(SingletonConfigurable):
         True,
         help="A streamed dump writes the page files with direct I/O (O_DIRECT). False: "
         "through the page cache, each range dropped from it once written back, so that a "
-        "suspend holds a few tens of MB of it, not the image's size. On the VMs measured "
+        "suspend holds a few tens of MB of it, not the image's size. On the VM measured "
         "the two were even (durable suspend, medians of 4: 1 GB 1.8 s through the page "
         "cache against 2.3 s direct, 4 GB 6.8 / 7.1 s, 8 GB 9.7 / 9.3 s; "
         "docs/benchmarks.md). A file system refusing O_DIRECT gets the page cache either way.",

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from jupyter_cedana.capture import SOCKET_NAME, CaptureFailed, ImageCapture, _request_name
+from jupyter_cedana.capture import _BUF, SOCKET_NAME, CaptureFailed, ImageCapture, _request_name
 from jupyter_cedana.integrity import CHUNK_SIZE, chunk_crcs
 
 pytestmark = pytest.mark.root
@@ -172,14 +172,8 @@ def test_an_image_written_through_the_page_cache_holds_little_of_it(
     pages = max(sums, key=lambda n: sums[n][0])
     written = sums[pages][0] - capture.zero_bytes
     assert written > 24 << 20
-    assert cached_bytes(images / pages) <= 3 * capture_buffer_size()
+    assert cached_bytes(images / pages) <= 3 * _BUF
     assert restored_digest(filler, images, tmp_path) == before
-
-
-def capture_buffer_size() -> int:
-    from jupyter_cedana import capture as capture_module
-
-    return capture_module._BUF
 
 
 def test_a_file_is_closed_only_once_every_write_of_it_is_in(
