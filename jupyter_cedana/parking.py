@@ -157,8 +157,16 @@ class KernelParking(LoggingConfigurable):
         # jupyter_server's interactive ^C handler re-installs self._signal_stop.
         serverapp._signal_stop = stop_once
         signal.signal(signal.SIGTERM, stop_once)
-        if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        sigint = signal.getsignal(signal.SIGINT)
+        if sigint is signal.default_int_handler:
             signal.signal(signal.SIGINT, stop_once)
+        elif sigint == signal.SIG_IGN:
+            # Inherited (e.g. a non-interactive shell's `cmd &`): the parent asked for
+            # SIGINT to be ignored, so it is, and only SIGTERM stops the server.
+            log.info(
+                "jupyter-cedana: SIGINT is ignored by this server (inherited from its "
+                "parent); SIGTERM stops it and parks its kernels"
+            )
 
     # -- adopt on start -------------------------------------------------------------------
 

@@ -83,12 +83,27 @@ class Server:
         return self.log.read_text(errors="replace")[-6000:]
 
 
+@contextlib.contextmanager
+def children_sigint(ignored: bool = False) -> Iterator[None]:
+    """Processes started inside get SIGINT's default action (or ignore it). A child
+    inherits an ignored SIGINT, and this process's varies: a shell's `cmd &` starts the
+    suite with it ignored, and libraries set it; a spawner's servers get the default."""
+    previous = signal.signal(
+        signal.SIGINT, signal.SIG_IGN if ignored else signal.default_int_handler
+    )
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def start_server(
     base: Path,
     *extra_args: str,
     checkpoint_root: Path | None = None,
     extra_env: dict[str, str] | None = None,
     wait: bool = True,
+    sigint_ignored: bool = False,
 ) -> Server:
     """A `jupyter server` subprocess with stdin not a terminal, as under a spawner."""
     runtime, root = base / "runtime", base / "root"
@@ -121,9 +136,14 @@ def start_server(
         "--SuspendPolicy.idle_timeout=0",
         *extra_args,
     ]
-    with open(log, "wb") as out:
+    with children_sigint(ignored=sigint_ignored), open(log, "wb") as out:
         proc = subprocess.Popen(
-            cmd, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=root
+            cmd,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            cwd=root,
         )
     server = Server(proc, f"http://127.0.0.1:{port}/", token, env, runtime, ckpt, log)
     return wait_ready(server) if wait else server

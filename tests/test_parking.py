@@ -297,6 +297,18 @@ def test_sigint_without_terminal_parks_once_despite_more_signals(
 
 
 @needs_root
+def test_server_started_ignoring_sigint_says_so_and_parks_on_sigterm(
+    tmp_path: Path, servers: list[Server]
+) -> None:
+    # As a non-interactive shell's `jupyterhub &` would pass it on to the servers.
+    a, root, kid = server_with_kernel(tmp_path, servers, "z = 7", sigint_ignored=True)
+    assert "SIGINT is ignored by this server (inherited from its parent)" in a.log.read_text()
+    log = stop_with(a, signal.SIGTERM)
+    assert "parked 1 of 1 kernel(s)" in log
+    assert set(records(root)) == {kid}
+
+
+@needs_root
 def test_kernel_not_parked_by_the_deadline_is_shut_down(
     tmp_path: Path, criu_gate: CriuGate, servers: list[Server]
 ) -> None:

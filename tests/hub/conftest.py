@@ -32,6 +32,8 @@ import requests
 from tornado.httpclient import HTTPRequest
 from tornado.websocket import websocket_connect
 
+from tests.test_cli import children_sigint
+
 REPO = Path(__file__).resolve().parents[2]
 # The servers' environment: as root, the virtualenv the test users can read
 # (scripts/setup-nonroot.sh); as an ordinary user, this one.
@@ -179,7 +181,8 @@ class Hub:
         (etc / "jupyter_server_config.json").write_text(
             json.dumps({"ServerApp": {"jpserver_extensions": dict.fromkeys(unused, False)}})
         )
-        with open(self.log, "wb") as log:
+        # The Hub's servers inherit its SIGINT; its spawner stops them with one.
+        with children_sigint(), open(self.log, "wb") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "jupyterhub", "-f", "jupyterhub_config.py"],
                 cwd=self.base,
