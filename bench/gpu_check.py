@@ -40,6 +40,7 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+from benchlib import confirm_iopub  # noqa: E402
 from gpu_workloads import STOP_CHILD, FakeWorkload, TorchWorkload  # noqa: E402
 
 GB = 1e9
@@ -188,6 +189,16 @@ class Kernel:
         t0 = time.monotonic()
         out, _ = await self.execute(self.check.workload.setup_code(self.sizes, self.host_gb), 600)
         return {"setup_s": round(time.monotonic() - t0, 3), "kernel_says": out.strip()}
+
+    async def resume(self) -> float:
+        """Resume, then wait for IOPub as the server's message gate does: a cell sent before
+        the client's IOPub socket has reconnected to a restored kernel loses its output and
+        its idle status (the check then waited for them until its time box ran out).
+        Returns the seconds IOPub took."""
+        await self.prov.resume()
+        t0 = time.monotonic()
+        await confirm_iopub(self.km, self.kc)
+        return time.monotonic() - t0
 
     async def execute(self, code: str, timeout: float = 300) -> tuple[str, float | None]:
         """Run `code`; its stdout and the seconds until its first output."""
@@ -366,7 +377,7 @@ class Check:
         t0 = time.monotonic()
         resume_error = None
         try:
-            await k.prov.resume()
+            iopub_s = await k.resume()
         except Exception as e:
             # e.g. a driver on which the frozen restore (thaw) fails: say so, try unfrozen
             gpu = await k.prov.engine.cuda_checkpointer()
@@ -374,8 +385,8 @@ class Check:
                 raise
             resume_error = f"{type(e).__name__}: {getattr(e, 'message', e)}"
             gpu.restore_frozen = False
-            await k.prov.resume()
-        resume_s = time.monotonic() - t0
+            iopub_s = await k.resume()
+        resume_s = time.monotonic() - t0 - iopub_s
         first = await k.first_output()
         check = await k.verify()
         after = nvml_snapshot(k.pids())
@@ -401,9 +412,12 @@ class Check:
             "dump_gb_s": ckpt / GB / suspend_s if tier == "disk" and ckpt else None,
             "resume_s": resume_s,
             "resume_error_frozen": resume_error,
+            "iopub_s": iopub_s,
             "restore_s": res.get("restore_s"),
             "h2d_gb_s": res.get("gb_per_s"),
-            "first_output_after_resume_s": resume_s + first if first is not None else None,
+            "first_output_after_resume_s": (
+                resume_s + iopub_s + first if first is not None else None
+            ),
             "verify": check,
             "summary": summary,
         }
@@ -434,7 +448,7 @@ class Check:
         try:
             await k.prov.suspend(tier="offload")
             result["refused"] = False
-            await k.prov.resume()
+            await k.resume()
         except NotCheckpointable as e:
             result.update(refused=True, message=e.message, state=k.prov.state.value)
         finally:
@@ -454,7 +468,7 @@ class Check:
         self.workload.hog(hog)
         result: dict[str, Any] = {"need": need, "free_before_hog": free, "hog": hog}
         try:
-            await k.prov.resume()
+            await k.resume()
             result["refused"] = False
         except InsufficientGpuMemory as e:
             result.update(
@@ -467,7 +481,7 @@ class Check:
             self.workload.release()
         if k.prov.state.value != "running":
             t0 = time.monotonic()
-            await k.prov.resume()
+            await k.resume()
             result["resume_after_release_s"] = time.monotonic() - t0
         result["verify_after"] = await k.verify()
         return result

@@ -26,6 +26,9 @@ def test_gpu_check_against_the_fakes(tmp_path: Path) -> None:
             "criu,env,driver,small",
             "--small-gb",
             "0.02",
+            # Inside pytest's timeout: a step that hangs is then reported, by name.
+            "--timeout",
+            "240",
             "--out",
             str(tmp_path),
         ],
