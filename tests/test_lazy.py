@@ -204,6 +204,8 @@ async def test_restores_at_once_share_the_copiers(
         assert copiers_of(other) == 3
         hold.unlink()
         await other.provisioner.memory_loaded()
+        # A cell sent before the client's IOPub socket reconnects loses its idle status.
+        await wait_iopub(other.test_client)
         _, out = await run(other.test_client, SUM)
         assert out.strip() == EXPECTED_SUM
     finally:
