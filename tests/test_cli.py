@@ -138,12 +138,7 @@ def start_server(
     ]
     with children_sigint(ignored=sigint_ignored), open(log, "wb") as out:
         proc = subprocess.Popen(
-            cmd,
-            env=env,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            cwd=root,
+            cmd, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=root
         )
     server = Server(proc, f"http://127.0.0.1:{port}/", token, env, runtime, ckpt, log)
     return wait_ready(server) if wait else server
