@@ -3,7 +3,7 @@
  * checking each chunk's CRC-32 before any page of it reaches the process.
  *
  *   cedana-pages --images DIR --map FILE --pidfile FILE --holder-fd FD [--pause-file PATH]
- *                [--copiers N]
+ *                [--hold-events-file PATH] [--copiers N]
  *
  * It runs in the work directory of `criu restore --lazy-pages` (the restore's -W) and
  * stands in for `criu lazy-pages`, speaking its protocol on lazy-pages.socket there: CRIU
@@ -49,6 +49,9 @@
  *
  * --pause-file PATH: hold the background transfer while PATH exists (faults are still
  * served); for debugging and for tests that need a transfer held mid-way.
+ * --hold-events-file PATH: leave the processes' events (and so their faults) unread while
+ * PATH exists: a process that munmaps, mremaps or forks then waits in the kernel, its
+ * areas marked as changing, and every copy into it is refused (EAGAIN); for tests.
  *
  * stdout, a line each: "ready", "task PID BYTES", "restored", "progress DONE TOTAL",
  * "done BYTES SECONDS", "exited" (every process ended before all its pages were in),
@@ -95,7 +98,12 @@
 #define SLOTS 8		   /* blocks read and checked ahead of the copies, or being copied */
 #define MAX_COPIERS SLOTS
 #define PROGRESS_EVERY (64ULL << 20)
+/* EAGAIN/ENOENT this often in a row, and for this long, means an area changed without an
+ * event. Both bounds: the kernel clears its "mappings changing" mark only once the thread
+ * whose munmap/mremap/fork sent the event runs again after we read it, which on a loaded
+ * machine can take far more than a thousand 1 ms retries. */
 #define MAX_STRIKES 1000
+#define STRIKE_S 10.0
 #define ORPHAN_GRACE_S 10 /* failed and the server gone: give its keeper time to kill */
 
 /* -- CRC-32 ------------------------------------------------------------------------------ */
@@ -243,6 +251,7 @@ struct task {
 	uint64_t *faults; /* pages whose fault could not be served yet (EAGAIN) */
 	size_t nfaults, capfaults;
 	unsigned strikes; /* EAGAIN/ENOENT in a row */
+	double strikes_since;
 };
 
 struct span {
@@ -264,7 +273,7 @@ static struct task **tasks;
 static int ntasks;
 static int epfd, wakefd, holder_fd = -1, client = -1;
 static int finished, failed;
-static const char *pause_file, *pidfile;
+static const char *pause_file, *hold_events_file, *pidfile;
 static int rootfd = -1;
 static uint64_t bytes_done, bytes_total, last_progress;
 static struct span cursor;	     /* where the reader claims its next block */
@@ -585,10 +594,14 @@ static int load(int file, uint64_t lo, uint64_t hi, unsigned char *buf, char *wh
 
 /* -- copying into the process (under mu) ------------------------------------------------ */
 
-static void gone(struct task *t)
+/* The process ended (its memory is gone): nothing of it is left to serve. Said in the log
+ * with what was still to come, as it is what decides between "done" and "exited". */
+static void gone(struct task *t, const char *why, int err)
 {
 	if (t->gone)
 		return;
+	fprintf(stderr, "cedana-pages: process %d gone (%s: %s) with %" PRIu64 " bytes to come\n",
+		t->pid, why, strerror(err), task_bytes(t));
 	t->gone = 1;
 	t->n = 0;
 	t->nfaults = 0;
@@ -630,7 +643,7 @@ static int copy(struct task *t, uint64_t dst, const unsigned char *src, uint64_t
 			continue; /* a partial copy stopped at a page that needs a look of its own */
 		}
 		if (err == ESRCH || err == ENOSPC) {
-			gone(t);
+			gone(t, "UFFDIO_COPY", err);
 			return GONE;
 		}
 		if (err == EEXIST) {
@@ -651,7 +664,13 @@ static int copy(struct task *t, uint64_t dst, const unsigned char *src, uint64_t
 		}
 		if (err == EAGAIN || err == ENOENT) {
 			/* The areas are changing: an event waits to be read. Retry after it. */
-			if (++t->strikes > MAX_STRIKES)
+			if (t->strikes++ == 0)
+				t->strikes_since = now_s();
+			if (t->strikes == MAX_STRIKES)
+				fprintf(stderr, "cedana-pages: process %d: %u copies refused in a row in "
+					"%.3f s (its areas are changing)\n", t->pid, t->strikes,
+					now_s() - t->strikes_since);
+			if (t->strikes > MAX_STRIKES && now_s() - t->strikes_since > STRIKE_S)
 				fail("cannot place the page at 0x%" PRIx64 " of process %d: its area "
 				     "changed without an event", dst, t->pid);
 			return RETRY;
@@ -727,7 +746,7 @@ static int fault(struct task *t, uint64_t page, unsigned char *buf)
 		if (ioctl(t->uffd, UFFDIO_ZEROPAGE, &z) == 0 || errno == EEXIST || errno == ENOENT)
 			return 0;
 		if (errno == ESRCH || errno == ENOSPC) {
-			gone(t);
+			gone(t, "UFFDIO_ZEROPAGE", errno);
 			return 0;
 		}
 		if (errno == EAGAIN)
@@ -818,7 +837,7 @@ static void drain(struct task *t, unsigned char *buf)
 		if (n < 0 && (errno == EAGAIN || errno == EINTR))
 			return;
 		if (n != (ssize_t)sizeof(msg)) {
-			gone(t);
+			gone(t, n < 0 ? "reading its events" : "a short event", n < 0 ? errno : EIO);
 			return;
 		}
 		switch (msg.event) {
@@ -949,6 +968,8 @@ static void from_criu(void)
 		t->uffd = uffd;
 		bytes_total += task_bytes(t);
 		say("task %d %" PRIu64, t->pid, task_bytes(t));
+		fprintf(stderr, "cedana-pages: process %d: %zu runs, %" PRIu64 " bytes%s\n", t->pid,
+			t->n, task_bytes(t), t->n ? "" : " (none lazy)");
 		watch(t);
 	} /* else a zombie: no memory */
 	pthread_mutex_unlock(&mu);
@@ -1167,6 +1188,8 @@ int main(int argc, char **argv)
 			holder_fd = atoi(argv[++i]);
 		else if (strcmp(argv[i], "--pause-file") == 0 && i + 1 < argc)
 			pause_file = argv[++i];
+		else if (strcmp(argv[i], "--hold-events-file") == 0 && i + 1 < argc)
+			hold_events_file = argv[++i];
 		else if (strcmp(argv[i], "--pidfile") == 0 && i + 1 < argc)
 			pidfile = argv[++i];
 		else if (strcmp(argv[i], "--copiers") == 0 && i + 1 < argc)
@@ -1176,8 +1199,8 @@ int main(int argc, char **argv)
 	}
 	if (!map || !images || ncopiers < 1 || ncopiers > MAX_COPIERS) {
 		fprintf(stderr, "usage: cedana-pages --images DIR --map FILE [--pidfile FILE] "
-				"[--holder-fd FD] [--pause-file PATH] [--copiers 1-%d]   (in the "
-				"restore's work directory)\n", MAX_COPIERS);
+				"[--holder-fd FD] [--pause-file PATH] [--hold-events-file PATH] "
+				"[--copiers 1-%d] (in the restore's work directory)\n", MAX_COPIERS);
 		return 2;
 	}
 	pthread_rwlockattr_t rwa;
@@ -1242,6 +1265,9 @@ int main(int argc, char **argv)
 		if (finished && !work_left() && !busy_slots()) {
 			double secs = now_s() - t_start;
 			report_progress(1);
+			for (int i = 0; i < ntasks; i++)
+				fprintf(stderr, "cedana-pages: process %d %s\n", tasks[i]->pid,
+					tasks[i]->gone ? "gone" : "has all its pages");
 			struct rusage ru;
 			getrusage(RUSAGE_SELF, &ru);
 			fprintf(stderr, "cedana-pages: %" PRIu64 " bytes in %.3f s: read %.3f s, crc %.3f s "
@@ -1273,6 +1299,8 @@ int main(int argc, char **argv)
 				uint64_t v;
 				if (read(wakefd, &v, sizeof(v)) < 0 && errno != EAGAIN)
 					die("eventfd");
+			} else if (hold_events_file && access(hold_events_file, F_OK) == 0) {
+				usleep(1000); /* level-triggered: the events are still there after */
 			} else {
 				pthread_rwlock_wrlock(&placing);
 				pthread_mutex_lock(&mu);

@@ -13,6 +13,7 @@ import os
 import queue
 import re
 import signal
+import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -43,12 +44,13 @@ SUM = "print(int(a.sum()))"
 EXPECTED_SUM = str(3 * ((4 << 20) - 1) * (4 << 20) // 2)
 
 
-def hold_transfer(prov: Any, tmp_path: Path) -> Path:
+def hold_transfer(prov: Any, tmp_path: Path, hold_events: Path | None = None) -> Path:
     """Make the next restores' page server hold its background transfer while the
-    returned file exists."""
+    returned file exists (and leave the kernel's events unread while `hold_events` does)."""
     hold = tmp_path / "hold-transfer"
     wrapper = tmp_path / "cedana-pages"
-    wrapper.write_text(f'#!/bin/sh\nexec {PAGES} --pause-file {hold} "$@"\n')
+    more = f" --hold-events-file {hold_events}" if hold_events else ""
+    wrapper.write_text(f'#!/bin/sh\nexec {PAGES} --pause-file {hold}{more} "$@"\n')
     wrapper.chmod(0o755)
     prov.engine.pages_path = str(wrapper)
     hold.touch()
@@ -414,6 +416,120 @@ async def test_fork_mremap_munmap_madvise_while_memory_loads(kernel, tmp_path: P
     assert all(events.get(k, 0) >= 1 for k in ("fork", "remap", "remove", "unmap")), log
     _, out = await run(kc, EVENTS_CHECK)
     assert out.split() == ["True", "0", "0", str(total)]
+
+
+# Called from a thread started after the restore: its stack, this code and libc's are
+# none of them memory the page server serves, so nothing from the byte to the munmap waits
+# on a page (with the kernel's events held, such a wait would never end).
+UNMAP_ON_BYTE_C = r"""
+#include <stddef.h>
+#include <sys/mman.h>
+#include <unistd.h>
+int unmap_on_byte(int ready, int go, void *addr, size_t len)
+{
+	char c = 'r';
+	if (write(ready, &c, 1) != 1 || read(go, &c, 1) != 1)
+		return -1;
+	return munmap(addr, len);
+}
+"""
+REGION = r"""
+import ctypes, mmap
+import numpy as np
+libc = ctypes.CDLL(None, use_errno=True)
+libc.mmap.restype = ctypes.c_void_p
+libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                      ctypes.c_long]
+R = 16 << 20
+region = libc.mmap(None, R, mmap.PROT_READ | mmap.PROT_WRITE,
+                   mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0)
+ctypes.memset(region, 0x5A, R)
+a = np.arange(4 << 20, dtype=np.int64) * 3
+print(region)
+"""
+ARM = r"""
+import os, threading
+lib = ctypes.CDLL({so!r})
+lib.unmap_on_byte.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t]
+ready, go = os.open({ready!r}, os.O_RDWR), os.open({go!r}, os.O_RDWR)
+result = []
+trigger = threading.Thread(target=lambda: result.append(lib.unmap_on_byte(ready, go, region, R)))
+trigger.start()
+"""
+
+
+def waiting_on_an_event(pids: set[int]) -> bool:
+    """Whether a thread of `pids` sits in munmap waiting for its event to be read."""
+    for pid in pids:
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            with contextlib.suppress(OSError):
+                nr = (task / "syscall").read_text().split()[0]
+                if nr == "11" and "userfaultfd" in (task / "wchan").read_text():
+                    return True
+    return False
+
+
+async def test_copies_refused_while_an_unmap_waits_do_not_fail_the_restore(
+    kernel, tmp_path: Path
+) -> None:
+    """While a munmap's event is unread (and after, until the unmapping thread runs again)
+    the kernel refuses every copy into the process (EAGAIN). On a loaded machine that can
+    last long: the page server waits for it instead of failing the kernel after a thousand
+    refusals (a tenth of a second of its copiers' retries)."""
+    so = tmp_path / "unmap_on_byte.so"
+    subprocess.run(
+        ["cc", "-shared", "-fPIC", "-o", str(so), "-x", "c", "-"],
+        input=UNMAP_ON_BYTE_C,
+        text=True,
+        check=True,
+    )
+    ready, go = tmp_path / "ready", tmp_path / "go"
+    os.mkfifo(ready)
+    os.mkfifo(go)
+    kc = kernel.test_client
+    prov = kernel.provisioner
+    reply, out = await run(kc, REGION)
+    assert reply["status"] == "ok", out
+    region = int(out.strip())
+    await prov.suspend()
+    events = tmp_path / "hold-events"
+    hold = hold_transfer(prov, tmp_path, hold_events=events)
+    await prov.resume()
+    await wait_iopub(kc)
+    reply, out = await run(kc, ARM.format(so=str(so), ready=str(ready), go=str(go)))
+    assert reply["status"] == "ok", out
+    fd = os.open(ready, os.O_RDONLY)
+    try:
+        assert await asyncio.to_thread(os.read, fd, 1) == b"r"  # blocked on `go` now
+    finally:
+        os.close(fd)
+    events.touch()
+    fd = os.open(go, os.O_WRONLY)
+    os.write(fd, b"g")
+    os.close(fd)
+    pids = kernel_pids(kernel)
+    deadline = time.monotonic() + 30
+    while not waiting_on_an_event(pids):
+        assert time.monotonic() < deadline, "the munmap never waited for its event"
+        await asyncio.sleep(0.01)
+    hold.unlink()  # the copiers go on, and every copy into the kernel is refused
+    log = prov.engine.store.work_dir(prov.kernel_id_str) / "pages.log"
+    deadline = time.monotonic() + 60
+    while "copies refused in a row" not in log.read_text():
+        assert time.monotonic() < deadline, log.read_text()
+        assert page_servers(prov.kernel_id_str), log.read_text()
+        await asyncio.sleep(0.05)
+    # Where a thousand refusals failed the kernel before, it waits on.
+    await asyncio.sleep(1)
+    assert prov.state == KernelState.running, prov.reason
+    assert page_servers(prov.kernel_id_str), log.read_text()
+    events.unlink()
+    await prov.memory_loaded()
+    assert prov.state == KernelState.running, prov.reason
+    _, out = await run(kc, "trigger.join(); print(result[0], int(a.sum()))")
+    assert out.split() == ["0", EXPECTED_SUM]
+    assert re.search(r"[1-9]\d* unmap", log.read_text()), log.read_text()
+    assert region > 0
 
 
 async def test_page_server_killed_mid_transfer(kernel, tmp_path: Path) -> None:
