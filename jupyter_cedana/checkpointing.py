@@ -13,7 +13,7 @@ import time
 from collections.abc import Awaitable
 from typing import Any
 
-from .crimg import dump_breakdown
+from .crimg import dump_breakdown, mark_lazy
 from .cuda import CudaStateLeft
 from .dumping import DumpResult, dir_bytes
 from .errors import (
@@ -173,6 +173,7 @@ class Checkpointing(Restoring):
 
             def commit() -> dict[str, Any]:
                 # In a thread, /proc and image reads included: the kernel is frozen.
+                marked = mark_lazy(tmp)  # before the checksums: the page maps may change
                 return store.commit(
                     kid,
                     tmp,
@@ -185,6 +186,7 @@ class Checkpointing(Restoring):
                         "gpu": gpu_state,
                         "timings": {"dump_s": dumped.seconds, **dump_breakdown(tmp)},
                         "zero_bytes": dumped.zero_bytes,
+                        "pages_marked_lazy": marked,
                     },
                     dumped.sums,
                 )

@@ -1,6 +1,7 @@
 """Reading the few CRIU image records jupyter-cedana needs: the process tree, each
 process's memory areas and page map (which pages a lazy restore serves, and where they are
-in the page files), and the dump statistics (where a suspend's time went).
+in the page files), and the dump statistics (where a suspend's time went); and the one
+rewrite it makes, of the page map's lazy marks (`mark_lazy`).
 
 CRIU images are a magic number or two followed by length-prefixed protobuf records; the
 field numbers below are those of CRIU's images/*.proto (stable across CRIU versions).
@@ -8,6 +9,8 @@ field numbers below are those of CRIU's images/*.proto (stable across CRIU versi
 
 from __future__ import annotations
 
+import bisect
+import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,8 +25,14 @@ PE_LAZY = 1 << 1
 PE_PRESENT = 1 << 2
 
 # vma_entry.status, file_entry.type
+VMA_AREA_REGULAR = 1 << 0
+VMA_AREA_VSYSCALL = 1 << 2
+VMA_AREA_VDSO = 1 << 3
 VMA_FILE_PRIVATE = 1 << 6
+VMA_ANON_PRIVATE = 1 << 9
 _FD_REG = 1
+# vma_entry.flags (mmap's)
+_MAP_PRIVATE, _MAP_ANONYMOUS, _MAP_LOCKED, _MAP_HUGETLB = 0x02, 0x20, 0x2000, 0x40000
 
 Fields = dict[int, list[int | bytes]]
 
@@ -283,3 +292,101 @@ def dump_breakdown(images: Path) -> dict[str, float]:
     stats = dump_stats(images)
     names = ("freezing_time", "frozen_time", "memdump_time", "memwrite_time")
     return {f"criu_{n[:-5]}_s": stats[n] / 1e6 for n in names if n in stats}
+
+
+def _lazy_areas(images: Path, pid: int) -> list[tuple[int, int]]:
+    """[start, end) of the process's areas that a lazy restore registers with its
+    userfaultfd (CRIU's vma_entry_can_be_lazy(), and no more: a page marked lazy in any
+    other area would never be filled)."""
+    mm = records(images / f"mm-{pid}.img")
+    out = []
+    for raw in decode(mm[0]).get(14, []) if mm else []:
+        if not isinstance(raw, bytes):
+            raise ImageError("vma entry is not a message")
+        vma = decode(raw)
+        flags, status = _int(vma, 6), _int(vma, 7)
+        private_anon = flags & _MAP_PRIVATE and flags & _MAP_ANONYMOUS
+        regular = status & VMA_AREA_REGULAR and status & VMA_ANON_PRIVATE
+        special = flags & (_MAP_LOCKED | _MAP_HUGETLB) or status & (
+            VMA_AREA_VDSO | VMA_AREA_VSYSCALL
+        )
+        if private_anon and regular and not special:
+            out.append((_int(vma, 1), _int(vma, 2)))
+    return sorted(out)
+
+
+def _varint_bytes(value: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte = value & 0x7F
+        value >>= 7
+        if not value:
+            out.append(byte)
+            return bytes(out)
+        out.append(byte | 0x80)
+
+
+def _pagemap_record(vaddr: int, pages: int, flags: int, wide: bool) -> bytes:
+    """A pagemap_entry as CRIU writes it: `wide` (CRIU 4) with nr_pages 0 and the count
+    in the 64-bit `pages`, else in nr_pages."""
+    count = b"\x10\x00" + b"\x20" + _varint_bytes(flags) + b"\x28" + _varint_bytes(pages)
+    if not wide:
+        count = b"\x10" + _varint_bytes(pages) + b"\x20" + _varint_bytes(flags)
+    body = b"\x08" + _varint_bytes(vaddr) + count
+    return struct.pack("<I", len(body)) + body
+
+
+def mark_lazy(images: Path) -> int:
+    """Mark lazy the present pages of the areas a lazy restore serves, in each process
+    whose page map marks none lazy; returns how many pages were marked.
+
+    CRIU 4's dump leaves every page of a process unmarked when one of its threads' stack
+    pointers is page aligned (is_stack() compares the offset within a page, not the page),
+    and the resume then reads all of that process's memory before it runs. Elsewhere
+    CRIU marks all of these pages lazy (that comparison being false), as this does."""
+    marked = 0
+    for pid in pids(images):
+        path = images / f"pagemap-{pid}.img"
+        data = path.read_bytes()
+        spans = _spans(data, path.name)[1:]  # the first is the head (the page file's id)
+        # Marked at all: as CRIU meant (the first lazy entry comes within a few).
+        if any(_pagemap_entry(data, lo, hi)[2] & PE_LAZY for lo, hi in spans):
+            continue
+        fields = {frozenset(decode(data[lo:hi])) for lo, hi in spans}
+        if not fields <= {frozenset({1, 2, 4}), frozenset({1, 2, 4, 5})}:
+            continue  # a field this would not write back: left as CRIU wrote it
+        areas = _lazy_areas(images, pid)
+        head = spans[0][0] - 4 if spans else len(data)
+        out = [data[:head]]
+        count = 0
+        for lo, hi in spans:
+            vaddr, pages, flags = _pagemap_entry(data, lo, hi)
+            wide = 5 in decode(data[lo:hi])
+            count += _split_lazy(out, vaddr, vaddr + pages * PAGE_SIZE, flags, areas, wide)
+        if count:
+            tmp = path.with_name(path.name + ".marking")
+            tmp.write_bytes(b"".join(out))
+            os.replace(tmp, path)
+            marked += count
+    return marked
+
+
+def _split_lazy(
+    out: list[bytes], lo: int, hi: int, flags: int, areas: list[tuple[int, int]], wide: bool
+) -> int:
+    """Append [lo, hi)'s records to `out`, cut where it enters and leaves `areas`, present
+    pieces inside them marked lazy; returns the pages marked. The page files need no
+    change: present entries keep their order, and so their offsets."""
+    marked = 0
+    i = bisect.bisect_right([end for _, end in areas], lo)  # the first area ending after lo
+    while lo < hi:
+        if i < len(areas) and areas[i][0] <= lo:
+            end, lazy = min(hi, areas[i][1]), bool(flags & PE_PRESENT)
+            i += 1
+        else:
+            end, lazy = (min(hi, areas[i][0]) if i < len(areas) else hi), False
+        pages = (end - lo) // PAGE_SIZE
+        out.append(_pagemap_record(lo, pages, flags | PE_LAZY if lazy else flags, wide))
+        marked += pages if lazy else 0
+        lo = end
+    return marked

@@ -57,6 +57,14 @@ def hold_transfer(prov: Any, tmp_path: Path, hold_events: Path | None = None) ->
     return hold
 
 
+def transfer_state(prov: Any) -> str:
+    """What a failed assertion about a held transfer reports: the kernel's state and the
+    page server's log (which says which process went, and why)."""
+    log = prov.engine.store.work_dir(prov.kernel_id_str) / "pages.log"
+    text = log.read_text() if log.exists() else "(none)"
+    return f"state {prov.state} ({prov.reason}), loading {prov._loading}, pages.log: {text[-1500:]}"
+
+
 def page_servers(kernel_id: str) -> list[int]:
     found = []
     for entry in os.listdir("/proc"):
@@ -119,7 +127,7 @@ async def test_kernel_runs_while_its_memory_is_still_on_disk(kernel, tmp_path: P
     hold = hold_transfer(prov, tmp_path)
     await prov.resume()
     assert prov.state == KernelState.running
-    assert image.exists()  # the image stays until every page is in
+    assert image.exists(), transfer_state(prov)  # the image stays until every page is in
     kc = kernel.test_client
     await wait_iopub(kc)
     _, out = await run(kc, "print('alive', 6 * 7)")
@@ -398,13 +406,9 @@ async def test_fork_mremap_munmap_madvise_while_memory_loads(kernel, tmp_path: P
     # The events below are only seen while pages are still on disk (this failed once,
     # with no events in the log: which of these did not hold was not known).
     assert prov.last_resume_breakdown and prov.last_resume_breakdown["lazy"] is True
-    if not page_servers(prov.kernel_id_str):
-        log = (prov.engine.store.work_dir(prov.kernel_id_str) / "pages.log").read_text()
-        loading = prov._loading
-        raise AssertionError(
-            f"the page server is gone before the cell: state {prov.state} "
-            f"({prov.reason}), loading {loading}, pages.log: {log[-1500:]}"
-        )
+    assert page_servers(prov.kernel_id_str), (
+        f"page server gone before the cell: {transfer_state(prov)}"
+    )
     reply, out = await run(kc, EVENTS_WHILE_LOADING)
     assert reply["status"] == "ok", out
     assert out.split() == [str(total), "0", "0"]
@@ -608,7 +612,7 @@ async def test_suspend_waits_for_the_memory_to_be_in(kernel, tmp_path: Path) -> 
     for _ in range(20):
         await asyncio.sleep(0)
     # Held by the transfer: it has not started dumping a half-loaded kernel.
-    assert prov.state == KernelState.running and not suspend.done()
+    assert prov.state == KernelState.running and not suspend.done(), transfer_state(prov)
     hold.unlink()
     await suspend
     assert prov.state == KernelState.suspended and image.exists()
