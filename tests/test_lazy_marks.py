@@ -50,7 +50,7 @@ def runs(images: Path) -> dict[int, list[tuple[int, int, int, int]]]:
 async def test_marks_put_back_are_those_criu_makes(kernel, tmp_path: Path) -> None:
     """Where CRIU marked the pages itself, taking its marks away and marking them again
     gives back the same page map, entry for entry, offsets included."""
-    prov, image, _ = await suspended_with_array(kernel)
+    _, image, _ = await suspended_with_array(kernel)
     copy = tmp_path / "image"
     shutil.copytree(image, copy)
     assert crimg.mark_lazy(copy) == 0  # nothing to do on CRIU's own marks
