@@ -13,7 +13,7 @@ import time
 from collections.abc import Awaitable
 from typing import Any
 
-from .crimg import dump_breakdown, mark_lazy
+from .crimg import ImageError, dump_breakdown, mark_lazy
 from .cuda import CudaStateLeft
 from .dumping import DumpResult, dir_bytes
 from .errors import (
@@ -173,7 +173,13 @@ class Checkpointing(Restoring):
 
             def commit() -> dict[str, Any]:
                 # In a thread, /proc and image reads included: the kernel is frozen.
-                marked = mark_lazy(tmp)  # before the checksums: the page maps may change
+                try:  # before the checksums: the page maps may change
+                    marked = mark_lazy(tmp)
+                except (OSError, ImageError, IndexError) as e:
+                    # CRIU's own marks still make a working image (a lazy restore that
+                    # may read more before the kernel runs): no reason to fail the suspend.
+                    self.log.warning("Kernel %s: lazy marks left as CRIU wrote them: %s", kid, e)
+                    marked = 0
                 return store.commit(
                     kid,
                     tmp,

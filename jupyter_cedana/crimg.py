@@ -365,8 +365,12 @@ def mark_lazy(images: Path) -> int:
             count += _split_lazy(out, vaddr, vaddr + pages * PAGE_SIZE, flags, areas, wide)
         if count:
             tmp = path.with_name(path.name + ".marking")
-            tmp.write_bytes(b"".join(out))
-            os.replace(tmp, path)
+            try:
+                tmp.write_bytes(b"".join(out))
+                os.replace(tmp, path)
+            except OSError:
+                tmp.unlink(missing_ok=True)
+                raise
             marked += count
     return marked
 
