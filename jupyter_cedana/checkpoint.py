@@ -4,6 +4,7 @@ renamed into place only when complete, with a manifest of sizes and checksums.""
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import re
@@ -41,6 +42,13 @@ ROOT_MARKER = ".jupyter-cedana"
 # Kernel ids are uuid4 strings in Jupyter; anything that could climb out of the root or
 # hide as a dot-file is refused before it is joined to a path.
 _ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,127}$")
+# A dump in progress is `.<id>.tmp-<pid>-<n>` until its writer holds an flock on the
+# directory, then `.<id>.tmp-<pid>-<n>.locked` for as long as it writes. The kernel drops
+# the lock of a writer that dies however it dies, so a lock that can be taken proves the
+# writer gone, where a PID cannot (in a container every server may be PID 1).
+LOCKED_SUFFIX = ".locked"
+# Descriptors holding the locks of this process's dumps in progress, by directory.
+_WRITING: dict[str, int] = {}
 
 
 def validate_kernel_id(kernel_id: str) -> str:
@@ -80,6 +88,28 @@ def replace_json_durably(path: Path, data: dict[str, Any]) -> None:
     fsync_path(path.parent, directory=True)
 
 
+def _stop_writing(tmp: Path) -> None:
+    fd = _WRITING.pop(str(tmp), None)
+    if fd is not None:
+        os.close(fd)
+
+
+def writer_gone(path: Path) -> bool:
+    """Whether nobody holds the writer's lock of a dump directory (its writer finished
+    or died). False while it is held, or when the directory cannot be opened."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+    return True
+
+
 @dataclass
 class Usage:
     bytes_used: int
@@ -115,16 +145,28 @@ class CheckpointStore:
         return (self.path(kernel_id) / MANIFEST).is_file()
 
     def begin(self, kernel_id: str) -> Path:
-        """A fresh private temporary directory for a dump in progress."""
+        """A fresh private temporary directory for a dump in progress, locked by this
+        process until commit() or discard()."""
         validate_kernel_id(kernel_id)
         self.ensure_root()
-        tmp = self.root / f".{kernel_id}.tmp-{os.getpid()}-{time.monotonic_ns()}"
-        tmp.mkdir(mode=0o700)
+        start = self.root / f".{kernel_id}.tmp-{os.getpid()}-{time.monotonic_ns()}"
+        start.mkdir(mode=0o700)
+        fd = os.open(start, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            tmp = start.with_name(start.name + LOCKED_SUFFIX)
+            os.rename(start, tmp)
+        except BaseException:
+            os.close(fd)
+            shutil.rmtree(start, ignore_errors=True)
+            raise
+        _WRITING[str(tmp)] = fd
         return tmp
 
     def discard(self, tmp: Path) -> None:
         if tmp.parent == self.root and tmp.name.startswith("."):
             shutil.rmtree(tmp, ignore_errors=True)
+        _stop_writing(tmp)
 
     def commit(
         self,
@@ -184,6 +226,7 @@ class CheckpointStore:
             shutil.rmtree(final)
             old = None
         os.rename(tmp, final)
+        _stop_writing(tmp)
         os.chmod(final, 0o700)
         fsync_path(self.root, directory=True)
         if old is not None:

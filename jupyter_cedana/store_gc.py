@@ -3,10 +3,10 @@ jupyter-cedana wrote, whatever directory it is pointed at.
 
 Proof is, for an image, a directory named after a kernel id holding a manifest of our
 format for that id; for a partial dump or deletion, the store's own temporary names
-(`.<id>.tmp-<pid>-<n>` whose writer is gone, `.<id>.del-<n>`); for kernel logs, pid files
-and CRIU work directories, the store's names inside a root that carries the store's
-marker file. Everything must be a real directory or file (never a symbolic link), owned by
-the user running gc. Anything else is left alone and reported.
+(`.<id>.tmp-<pid>-<n>.locked` whose writer no longer holds its lock, `.<id>.del-<n>`);
+for kernel logs, pid files and CRIU work directories, the store's names inside a root
+that carries the store's marker file. Everything must be a real directory or file (never
+a symbolic link), owned by the user running gc. Anything else is left alone and reported.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .checkpoint import _ID_RE, MANIFEST, ROOT_MARKER, CheckpointStore
+from .checkpoint import _ID_RE, MANIFEST, ROOT_MARKER, CheckpointStore, writer_gone
 from .errors import CheckpointCorrupt, NotFound
 from .parkrecords import RECORDS, parked_kernel_ids
 
@@ -30,7 +30,9 @@ from .parkrecords import RECORDS, parked_kernel_ids
 #: to a kernel that is starting and not yet listed by its server.
 GC_MIN_AGE = 600.0
 
-_TMP_RE = re.compile(r"^\.(?P<kid>[A-Za-z0-9][A-Za-z0-9_-]*)\.tmp-(?P<pid>\d+)-\d+$")
+_TMP_RE = re.compile(
+    r"^\.(?P<kid>[A-Za-z0-9][A-Za-z0-9_-]*)\.tmp-(?P<pid>\d+)-\d+(?P<locked>\.locked)?$"
+)
 _DEL_RE = re.compile(r"^\.(?P<kid>[A-Za-z0-9][A-Za-z0-9_-]*)\.del-\d+$")
 _PIDFILE_RE = re.compile(r"^\.(?P<kid>[A-Za-z0-9][A-Za-z0-9_-]*)\.pid$")
 _LOG_RE = re.compile(r"^(?P<kid>[A-Za-z0-9][A-Za-z0-9_-]*)\.log$")
@@ -77,6 +79,15 @@ def _pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def _tmp_writer_gone(path: Path, m: re.Match[str]) -> bool:
+    """A dump's writer holds a lock on it (checkpoint.py); a dump not yet locked (its
+    writer died within microseconds of making it, or an older version wrote it) is
+    judged by the PID in its name, which a container's next server may well have."""
+    if m.group("locked"):
+        return writer_gone(path)
+    return not _pid_alive(int(m.group("pid")))
 
 
 def _lstat(path: Path) -> os.stat_result | None:
@@ -164,7 +175,7 @@ def plan(store: CheckpointStore, keep: set[str], now: float | None = None) -> Pl
         elif m := _TMP_RE.match(name):
             if not _mine(st, stat.S_IFDIR):
                 leave(path, "not a directory of this user")
-            elif not _pid_alive(int(m.group("pid"))) and m.group("kid") not in keep:
+            elif m.group("kid") not in keep and _tmp_writer_gone(path, m):
                 remove.append(Leftover("temporary", path, m.group("kid"), _tree_bytes(path)))
         elif m := _DEL_RE.match(name):
             if _mine(st, stat.S_IFDIR):
@@ -216,6 +227,10 @@ def apply(leftovers: list[Leftover]) -> tuple[list[Leftover], list[str]]:
         is_dir = item.kind in ("image", "temporary", "work")
         if not _mine(st, stat.S_IFDIR if is_dir else stat.S_IFREG):
             errors.append(f"{item.path} changed since it was checked; left alone")
+            continue
+        m = _TMP_RE.match(item.path.name) if item.kind == "temporary" else None
+        if m and not _tmp_writer_gone(item.path, m):
+            errors.append(f"{item.path} is being written again; left alone")
             continue
         try:
             if is_dir:

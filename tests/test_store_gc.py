@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import subprocess
+import sys
 import time
 import uuid
 from pathlib import Path
@@ -198,3 +201,64 @@ def test_parked_kernels_keep_their_images(tmp_path: Path) -> None:
     plan = store_gc.plan(store, keep=set())
     assert {(i.kind, i.kernel_id) for i in plan.remove} == {("image", orphan)}
     assert ".parked" not in {f.path.name for f in plan.foreign}
+
+
+# A process that starts a dump the way a server does, says where, and waits to be killed.
+_WRITER = """
+import sys, time
+from jupyter_cedana.checkpoint import CheckpointStore
+tmp = CheckpointStore(sys.argv[1]).begin(sys.argv[2])
+(tmp / "pages-1.img").write_bytes(b"p" * 4096)
+print(tmp, flush=True)
+time.sleep(3600)
+"""
+
+
+def _start_writer(root: Path, kid: str) -> tuple[subprocess.Popen[str], Path]:
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _WRITER, str(root), kid], stdout=subprocess.PIPE, text=True
+    )
+    assert proc.stdout is not None
+    line = proc.stdout.readline().strip()
+    assert line, "the writer did not start its dump"
+    return proc, Path(line)
+
+
+def _renamed_for_pid(tmp: Path, pid: int) -> Path:
+    """The same partial dump under a name that says another process wrote it."""
+    m = store_gc._TMP_RE.match(tmp.name)
+    assert m, tmp.name
+    new = tmp.with_name(tmp.name.replace(f".tmp-{m.group('pid')}-", f".tmp-{pid}-", 1))
+    os.rename(tmp, new)
+    return new
+
+
+def test_a_dead_writers_partial_dump_is_collected_though_its_pid_was_reused(
+    tmp_path: Path,
+) -> None:
+    """In a container a server is PID 1 (or 7) every time: the dump a SIGKILLed server
+    left names the PID of the server now running gc, and is collected all the same."""
+    store = CheckpointStore(tmp_path)
+    kid = str(uuid.uuid4())
+    proc, tmp = _start_writer(tmp_path, kid)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    reused = _renamed_for_pid(tmp, os.getpid())  # this live process: the PID's new owner
+    plan = store_gc.plan(store, keep=set())
+    assert {(i.kind, i.path.name) for i in plan.remove} == {("temporary", reused.name)}
+    removed, errors = store_gc.apply(plan.remove)
+    assert errors == [] and len(removed) == 1 and not reused.exists()
+
+
+def test_a_live_writers_partial_dump_is_kept_whatever_its_name_says(tmp_path: Path) -> None:
+    store = CheckpointStore(tmp_path)
+    kid = str(uuid.uuid4())
+    proc, tmp = _start_writer(tmp_path, kid)
+    try:
+        elsewhere = _renamed_for_pid(tmp, 999999999)  # no such process
+        assert store_gc.plan(store, keep=set()).remove == []
+        assert (elsewhere / "pages-1.img").read_bytes() == b"p" * 4096
+    finally:
+        proc.kill()
+        proc.wait()
+    assert {i.path.name for i in store_gc.plan(store, keep=set()).remove} == {elsewhere.name}
