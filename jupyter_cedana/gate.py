@@ -7,6 +7,12 @@ SUB sockets reconnect (ZMQ's slow joiner), and every reconnect would wake the ke
 A suspend never strands a connection: a websocket that is still connecting (jupyter_server
 nudges the kernel with kernel_info requests inside `open()`) stops waiting when the
 kernel leaves `running`, and is checked again like every other once the kernel is back.
+
+A lazily restored kernel runs before its memory is all in; if the rest cannot be loaded
+it is killed and goes to `failed`. Every request it had been given and not answered then
+gets an error reply in its name (on IOPub too, for a cell), saying what was lost; the
+first cell run after the next resume, which goes back to the image taken at the suspend,
+shows the same in its output.
 """
 
 from __future__ import annotations
@@ -31,6 +37,9 @@ DELIVERY_GRACE_SECONDS = 30.0
 Held = tuple[GatedWebsocketConnection, Message]
 # Kernel messages the reply cache learns from.
 _CACHED = frozenset({"kernel_info_reply", "comm_info_reply", "comm_open", "comm_close"})
+# The requests given to a kernel and not yet answered that the gate keeps, per kernel; a
+# client that never reads a reply (or a kernel that ignores a request) must not grow it.
+MAX_UNANSWERED = 1024
 
 
 class MessageGate:
@@ -45,6 +54,10 @@ class MessageGate:
         self._releasing: dict[str, asyncio.Task[None]] = {}
         self._wake: set[str] = set()  # kernels with a held message a person sent
         self._delivered: dict[str, dict[str, float]] = {}  # kid -> msg_id -> delivered at
+        # kid -> msg_id -> requests given to the kernel since its last resume, unanswered.
+        self._unanswered: dict[str, dict[str, Held]] = {}
+        # kid -> what the first cell after a resume from an older image shows.
+        self._notices: dict[str, str] = {}
         # Clients whose websocket is opening (weakly: a handshake may end without close).
         self._connecting: dict[str, weakref.WeakKeyDictionary[Any, float]] = {}
         self._left_running: dict[str, set[asyncio.Future[None]]] = {}
@@ -67,13 +80,19 @@ class MessageGate:
         )
 
     def busy(self, kernel_id: str) -> bool:
-        """Whether the policy must leave the kernel alone: messages are held for it, being
-        delivered or not yet answered, or a client is still connecting to it."""
+        """Whether the policy must leave the kernel alone: a person's message is held for
+        it, messages are being delivered or not yet answered, or a client is still
+        connecting to it. Passive messages held for a suspended kernel (a debugger probe)
+        wait for its next run whatever tier it is in: they do not keep an offloaded kernel
+        from moving to disk."""
         cutoff = time.monotonic() - DELIVERY_GRACE_SECONDS
         delivered = self._expire(self._delivered.get(kernel_id) or {})
         connecting: Any = self._connecting.get(kernel_id) or {}
+        held = bool(self._held.get(kernel_id)) and (
+            kernel_id in self._wake or self.state(kernel_id) == "running"
+        )
         return bool(
-            self._held.get(kernel_id)
+            held
             or kernel_id in self._releasing
             or delivered
             or any(t >= cutoff for t in list(connecting.values()))
@@ -112,13 +131,23 @@ class MessageGate:
             for fut in self._left_running.pop(kid, set()):
                 if not fut.done():
                     fut.set_result(None)
+            if prov.state.value == "failed":
+                self._answer_unanswered(kid, prov.reason or "the kernel failed")
+            elif prov.state.value in ("resuming", "suspending"):
+                # What a kernel was given before its suspend was answered (the policy
+                # waits for it); the notice is about the image being replaced.
+                self._unanswered.pop(kid, None)
+                self._notices.pop(kid, None)
         elif getattr(prov.parent, "shutting_down", False):
             # Discarded for a shutdown or restart: held requests have no kernel to go to.
             if self._held.get(kid) and kid not in self._releasing:
                 self._refuse_all(kid, "the kernel was shut down or restarted")
-        elif self._held.get(kid):
-            # Resumed by anyone: what waited goes now.
-            self.release(kid)
+        else:
+            if getattr(prov, "work_lost_after", None) is not None and prov.reason:
+                self._notices[kid] = str(prov.reason)  # resumed from an older image
+            if self._held.get(kid):
+                # Resumed by anyone: what waited goes now.
+                self.release(kid)
 
     async def unless_suspended(self, kernel_id: str, work: Awaitable[Any], cancel: bool) -> bool:
         """Await `work` unless the kernel leaves `running` first: then False, and `work`
@@ -152,6 +181,8 @@ class MessageGate:
         if data.get("action") in ("start", "restart", "shutdown"):
             self.replies.forget(kid, data["action"])
             self._delivered.pop(kid, None)
+            self._unanswered.pop(kid, None)
+            self._notices.pop(kid, None)
         if data.get("action") == "shutdown":
             self._held.pop(kid, None)
             self._wake.discard(kid)
@@ -220,10 +251,19 @@ class MessageGate:
     def deliver(self, conn: GatedWebsocketConnection, msg: Message) -> None:
         """Send to the kernel; until the kernel is idle again for it, busy() is true (a
         kernel frozen with a request in flight could lose it)."""
+        kid = conn.kernel_id
+        notice = self._notices.pop(kid, None) if msg.msg_type == "execute_request" else None
+        if notice is not None:
+            with contextlib.suppress(Exception):
+                conn.notice(msg, notice)
         if not conn.send_to_kernel(msg):
             return
-        kid = conn.kernel_id
         self.replies.from_client(kid, msg)
+        if msg.channel != "stdin" and msg.msg_type.endswith("_request"):
+            unanswered = self._unanswered.setdefault(kid, {})
+            unanswered[msg.msg_id] = (conn, msg)
+            if len(unanswered) > MAX_UNANSWERED:
+                unanswered.pop(next(iter(unanswered)))
         # Probes (kernel_info on every reconnect...) are not activity, nor worth a delay.
         if msg.channel != "stdin" and self.kernel_manager.track_message_type(msg.msg_type):
             delivered = self._delivered.setdefault(kid, {})
@@ -233,13 +273,18 @@ class MessageGate:
 
     def observes(self, kernel_id: str, msg_type: str) -> bool:
         """Whether a kernel message of this type tells the gate something."""
-        return msg_type in _CACHED or (
-            msg_type == "status" and bool(self._delivered.get(kernel_id))
+        return (
+            msg_type in _CACHED
+            or (msg_type == "status" and bool(self._delivered.get(kernel_id)))
+            or (msg_type.endswith("_reply") and bool(self._unanswered.get(kernel_id)))
         )
 
     def from_kernel(self, kernel_id: str, msg: dict[str, Any]) -> None:
         """A message from the kernel to a client: note what it tells, and what it answers."""
         self.replies.from_kernel(kernel_id, msg)
+        unanswered = self._unanswered.get(kernel_id)
+        if unanswered and msg["header"].get("msg_type", "").endswith("_reply"):
+            unanswered.pop(msg["parent_header"].get("msg_id", ""), None)
         delivered = self._delivered.get(kernel_id)
         if delivered and msg["content"].get("execution_state") == "idle":
             delivered.pop(msg["parent_header"].get("msg_id", ""), None)
@@ -310,6 +355,19 @@ class MessageGate:
             except Exception as e:  # a closed websocket must not keep the others waiting
                 self.log.debug("Could not answer a held %s: %s", msg.msg_type, e)
         self._status(kid, "idle")
+
+    def _answer_unanswered(self, kid: str, text: str) -> None:
+        """The kernel is gone before it answered what it was given: an error reply for
+        each, so that no cell waits forever, saying what happened and what was lost."""
+        unanswered = self._unanswered.pop(kid, {})
+        self._delivered.pop(kid, None)
+        if unanswered:
+            self.log.error("Kernel %s failed with %d requests unanswered", kid, len(unanswered))
+        for conn, msg in unanswered.values():
+            try:
+                conn.answer_error(msg, text, "KernelRestoreError")
+            except Exception as e:  # a closed websocket must not keep the others waiting
+                self.log.debug("Could not answer a %s: %s", msg.msg_type, e)
 
     def _status(self, kid: str, state: str) -> None:
         for conn in self.connections(kid):

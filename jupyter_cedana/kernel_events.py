@@ -10,6 +10,7 @@ from typing import Any
 
 from . import metrics
 from .errors import CedanaError
+from .timestamps import iso
 
 EVENT_SCHEMA = "https://jupyter-cedana.readthedocs.io/events/kernel-state"
 EVENT_SCHEMA_FILE = Path(__file__).parent / "events" / "kernel_state.yaml"
@@ -60,7 +61,15 @@ class KernelEvents:
             metrics.RESUMES.labels("disk").inc()
             if prov.last_resume_seconds is not None:
                 metrics.RESUME_SECONDS.observe(prov.last_resume_seconds)
-            self.emit(kid, "resumed", state, None, duration=prov.last_resume_seconds)
+            self.emit(
+                kid,
+                "resumed",
+                state,
+                None,
+                duration=prov.last_resume_seconds,
+                reason=prov.reason,
+                lost_after=_lost_after(prov),
+            )
             for callback in self.resume_listeners:
                 callback(kid)
         elif state == "running" and before == "suspending":
@@ -68,7 +77,8 @@ class KernelEvents:
             self.emit(kid, "failed", state, None, reason=prov.reason)
         elif state == "failed" or (state == "suspended" and before == "resuming"):
             metrics.FAILURES.labels("resume", _reason_label(prov.reason)).inc()
-            self.emit(kid, "failed", state, prov.tier, reason=prov.reason)
+            lost = _lost_after(prov) if state == "failed" else None
+            self.emit(kid, "failed", state, prov.tier, reason=prov.reason, lost_after=lost)
 
     def refused(self, kernel_id: str, state: str, error: CedanaError) -> None:
         """A suspend refused before the provisioner changed state."""
@@ -86,6 +96,7 @@ class KernelEvents:
         gpu: int | None = None,
         reason: str | None = None,
         progress: Any = None,
+        lost_after: str | None = None,
     ) -> None:
         event_logger = self._event_logger()
         if event_logger is None:
@@ -100,11 +111,17 @@ class KernelEvents:
             "gpu_memory_freed_bytes": gpu,
             "reason": reason,
             "progress": progress.to_json() if progress is not None else None,
+            "lost_after": lost_after,
         }
         try:
             event_logger.emit(schema_id=EVENT_SCHEMA, data=data)
         except Exception:
             self.log.exception("could not emit cedana event")
+
+
+def _lost_after(prov: Any) -> str | None:
+    """When what the kernel did since is lost (a lazy restore failed after it ran)."""
+    return iso(getattr(prov, "work_lost_after", None))
 
 
 def _reason_label(reason: str | None) -> str:

@@ -326,12 +326,18 @@ class ReplyCache:
         return _message(msg_header(str(uuid.uuid4()), msg_type, *fallback), parent, content)
 
     def refusal(
-        self, kernel_id: str, msg: Message, text: str, fallback: tuple[str, str]
+        self,
+        kernel_id: str,
+        msg: Message,
+        text: str,
+        fallback: tuple[str, str],
+        ename: str = "KernelResumeError",
     ) -> list[tuple[str, dict[str, Any]]]:
-        """Error replies for a request that cannot be delivered, and the kernel idle."""
+        """Error replies for a request that cannot be delivered, or that the kernel can no
+        longer answer, and the kernel idle."""
         out = []
         if msg.msg_type.endswith("_request"):
-            error = {"ename": "KernelResumeError", "evalue": text, "traceback": [text]}
+            error = {"ename": ename, "evalue": text, "traceback": [text]}
             content: dict[str, Any] = {"status": "error", **error}
             if msg.msg_type == "execute_request":
                 content["execution_count"] = None

@@ -34,6 +34,7 @@ from .gpu_steps import GpuSteps
 from .integrity import is_page_file
 from .pids import check_free
 from .proctree import process_tree, stat_fields
+from .timestamps import iso
 from .transitions import KernelState
 
 
@@ -52,6 +53,12 @@ class Restoring(GpuSteps):
     last_resume_seconds: float | None = None
     # time.monotonic() when the last lazily restored kernel's memory was all in.
     last_memory_in_at: float | None = None
+    # time.time() of the last resume, and when the image it came from was taken.
+    resumed_at: float | None = None
+    image_taken_at: float | None = None
+    # time.time() after which what the kernel did is lost: a lazy restore failed after
+    # it ran, and it goes back to the image. Kept until a resume has all its memory in.
+    work_lost_after: float | None = None
     checkpoint_bytes: int = 0
     gpu_memory_freed: int = 0
     _chores: set[asyncio.Future[Any]]
@@ -289,7 +296,11 @@ class Restoring(GpuSteps):
             self._discard_image_later()
         self.tier = None
         self.suspended_at = None
-        self._set_state(KernelState.running)
+        self.resumed_at = time.time()
+        self.image_taken_at = manifest.get("created")
+        self._set_state(KernelState.running, reason=self._rolled_back())
+        if pages is None:
+            self.work_lost_after = None  # told (the state's reason); nothing can fail
         self.log.info("Resumed kernel %s in %.2f s (pid %s)", kid, self.last_resume_seconds, pid)
         return self.summary()
 
@@ -333,14 +344,16 @@ class Restoring(GpuSteps):
             if self.process is proc:
                 self.process = None
             self._reserve_ports()
-            reason = getattr(e, "message", None) or str(e) or type(e).__name__
-            self.log.error("Kernel %s killed, its image kept: %s", kid, reason)
+            cause = getattr(e, "message", None) or str(e) or type(e).__name__
+            self.log.error("Kernel %s killed, its image kept: %s", kid, cause)
             if self.state == KernelState.running:
-                self._set_state(KernelState.failed, reason=reason)
+                self.work_lost_after = self.work_lost_after or self.resumed_at
+                self._set_state(KernelState.failed, reason=self._lost(cause))
             return
         finally:
             self._loading = None
         self.last_memory_in_at = pages.started + seconds
+        self.work_lost_after = None
         await pages.stop()
         self.log.info(
             "Kernel %s: all %.1f MB of its memory in, %.2f s after the page server started",
@@ -350,6 +363,23 @@ class Restoring(GpuSteps):
         )
         if not self.engine.keep_image_after_resume:
             self._discard_image_later()
+
+    def _lost(self, cause: str) -> str:
+        return (
+            "The kernel failed while its memory was being restored, and was stopped: "
+            f"{cause.rstrip('.')}. What it did after its resume at "
+            f"{iso(self.work_lost_after)} is lost; its checkpoint taken at "
+            f"{iso(self.image_taken_at)} is kept, and the next resume goes back to it."
+        )
+
+    def _rolled_back(self) -> str | None:
+        if self.work_lost_after is None:
+            return None
+        return (
+            f"Resumed from its checkpoint taken at {iso(self.image_taken_at)}: what it "
+            f"did after its resume at {iso(self.work_lost_after)} was lost (its memory "
+            "could not all be restored then)."
+        )
 
     async def memory_loaded(self) -> None:
         """Returns once a lazily restored kernel's memory is all in (at once otherwise).

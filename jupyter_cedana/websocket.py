@@ -200,7 +200,20 @@ class GatedWebsocketConnection(ZMQChannelsWebsocketConnection):
     def refuse(self, msg: Message, reason: str) -> None:
         """Answer a held request that cannot be delivered, so the client does not wait
         forever: an error reply for requests, and the kernel back to idle."""
+        self.answer_error(msg, f"The kernel could not be resumed: {reason}", "KernelResumeError")
+
+    def answer_error(self, msg: Message, text: str, ename: str) -> None:
+        """Answer a request in the kernel's name with an error (on IOPub too, for a cell),
+        and the kernel back to idle."""
         gate = self.gate
         assert gate is not None
-        text = f"The kernel could not be resumed: {reason}"
-        self.write_all(gate.replies.refusal(self.kernel_id, msg, text, self._fallback()))
+        replies = gate.replies.refusal(self.kernel_id, msg, text, self._fallback(), ename)
+        self.write_all(replies)
+
+    def notice(self, msg: Message, text: str) -> None:
+        """Show `text` in the output of the cell `msg` (stderr, in the kernel's name)."""
+        gate = self.gate
+        assert gate is not None
+        content = {"name": "stderr", "text": text + "\n"}
+        stream = gate.replies.compose(self.kernel_id, "stream", msg, content, self._fallback())
+        self.write_all([("iopub", stream)])
