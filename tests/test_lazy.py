@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import queue
 import re
 import signal
 import subprocess
@@ -24,6 +23,7 @@ import jupyter_cedana
 from jupyter_cedana import crimg, lazy, readahead
 from jupyter_cedana.engine import CheckpointEngine
 from jupyter_cedana.provisioner import KernelState
+from jupyter_cedana.timestamps import iso
 from tests.conftest import (
     alive,
     exited,
@@ -63,6 +63,23 @@ def transfer_state(prov: Any) -> str:
     log = prov.engine.store.work_dir(prov.kernel_id_str) / "pages.log"
     text = log.read_text() if log.exists() else "(none)"
     return f"state {prov.state} ({prov.reason}), loading {prov._loading}, pages.log: {text[-1500:]}"
+
+
+async def took(kc: Any, msg_id: str, timeout: float = 60) -> None:
+    """Wait until the kernel has begun to run the cell `msg_id` (its execute_input)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        msg = await kc.get_iopub_msg(timeout=max(0.0, deadline - time.monotonic()))
+        if msg["parent_header"].get("msg_id") == msg_id and msg["msg_type"] == "execute_input":
+            return
+
+
+async def received(channel: Any) -> list[dict[str, Any]]:
+    """The messages a channel has received so far (without waiting for more)."""
+    msgs = []
+    while await channel.msg_ready():
+        msgs.append(await channel.get_msg())
+    return msgs
 
 
 def page_servers(kernel_id: str) -> list[int]:
@@ -176,8 +193,8 @@ async def test_copiers_side_by_side_place_every_page(kernel, tmp_path: Path, cop
     _, out = await run(kc, "print(bool((b == np.arange(24 << 20) * 7).all()), int(a.sum()))")
     assert out.split() == ["True", EXPECTED_SUM]
     log = (prov.engine.store.work_dir(prov.kernel_id_str) / "pages.log").read_text()
-    assert re.search(r"cedana-pages: (\d+) bytes in", log), log
-    assert int(re.search(r"cedana-pages: (\d+) bytes in", log)[1]) >= 192 << 20
+    loaded = re.search(r"cedana-pages: (\d+) bytes in", log)
+    assert loaded is not None and int(loaded[1]) >= 192 << 20, log
 
 
 async def test_restores_at_once_share_the_copiers(
@@ -325,18 +342,22 @@ async def test_a_corrupt_page_is_never_given_to_the_kernel(kernel, tmp_path: Pat
     _, out = await run(kc, "print('alive')")
     assert out.strip() == "alive"
     pids = kernel_pids(kernel)
-    kc.execute(SUM)  # needs the damaged chunk
+    resumed_at = prov.resumed_at
+    cell = kc.execute(SUM)  # needs the damaged chunk
+    await took(kc, cell)
     await prov.memory_loaded()
     assert prov.state == KernelState.failed
     assert f"checksum mismatch in {name} at offset" in (prov.reason or "")
+    # It ran on its own since its resume: that is lost, the image goes back further.
+    assert prov.work_lost_after == resumed_at is not None
+    assert f"after its resume at {iso(resumed_at)} is lost" in (prov.reason or ""), prov.reason
     assert image.exists() and not page_servers(prov.kernel_id_str)
     assert await exited(pids) == []
     assert held_userfaultfds() == 0
-    replies = []
-    with pytest.raises(queue.Empty):
-        while True:
-            replies.append(await kc.get_shell_msg(timeout=0.5))
-    assert not [r for r in replies if r["content"].get("status") == "ok"]
+    # Stopped at the damaged page: nothing of the cell after the kernel took it, no reply
+    # (the server answers in the kernel's place: tests/test_failed_lazy_restore.py).
+    after = await received(kc.iopub_channel) + await received(kc.shell_channel)
+    assert [m["msg_type"] for m in after if m["parent_header"].get("msg_id") == cell] == []
 
     flip_byte(pages, offset)  # mended
     hold.unlink()
@@ -519,14 +540,12 @@ async def test_copies_refused_while_an_unmap_waits_do_not_fail_the_restore(
     hold.unlink()  # the copiers go on, and every copy into the kernel is refused
     log = prov.engine.store.work_dir(prov.kernel_id_str) / "pages.log"
     deadline = time.monotonic() + 60
-    while "copies refused in a row" not in log.read_text():
+    while "1000 copies refused in a row" not in log.read_text():
         assert time.monotonic() < deadline, log.read_text()
         assert page_servers(prov.kernel_id_str), log.read_text()
         await asyncio.sleep(0.05)
-    # Where a thousand refusals failed the kernel before, it waits on.
-    await asyncio.sleep(1)
-    assert prov.state == KernelState.running, prov.reason
-    assert page_servers(prov.kernel_id_str), log.read_text()
+    # A thousand refusals, where the page server used to give up (at the one that logs
+    # this): now it waits on, and the transfer ends once the event is read.
     events.unlink()
     await prov.memory_loaded()
     assert prov.state == KernelState.running, prov.reason
@@ -608,13 +627,26 @@ async def test_suspend_waits_for_the_memory_to_be_in(kernel, tmp_path: Path) -> 
     prov, image, _ = await suspended_with_array(kernel)
     hold = hold_transfer(prov, tmp_path)
     await prov.resume()
+    asked = asyncio.Event()
+    loaded = prov.memory_loaded
+    loading_when_frozen: list[bool] = []
+
+    async def memory_loaded() -> None:
+        asked.set()
+        await loaded()
+
+    def on_change(p: Any, what: str) -> None:
+        if what == "state" and p.state == KernelState.suspending:
+            loading_when_frozen.append(bool(page_servers(p.kernel_id_str)))
+
+    prov.memory_loaded = memory_loaded  # type: ignore[method-assign]
+    prov.add_listener(on_change)
     suspend = asyncio.ensure_future(prov.suspend())
-    for _ in range(20):
-        await asyncio.sleep(0)
-    # Held by the transfer: it has not started dumping a half-loaded kernel.
-    assert prov.state == KernelState.running and not suspend.done(), transfer_state(prov)
+    await asyncio.wait_for(asked.wait(), 60)  # the suspend has begun, the transfer is held
     hold.unlink()
     await suspend
+    # It began to freeze the kernel only once every page was in.
+    assert loading_when_frozen == [False], transfer_state(prov)
     assert prov.state == KernelState.suspended and image.exists()
     await prov.resume()
     await prov.memory_loaded()
