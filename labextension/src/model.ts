@@ -703,6 +703,9 @@ export namespace CedanaModel {
     }
     if (event.action === 'failed' && event.reason) {
       next.reason = event.reason;
+    } else if (event.action === 'resumed') {
+      // A failure's reason no longer holds; a resume from an older image says so.
+      next.reason = event.reason ?? null;
     }
     if (event.action === 'queued') {
       // The event says what waits (in `reason`); a refresh tells where in line.

@@ -132,4 +132,6 @@ export interface IKernelStateEvent {
   gpu_memory_freed_bytes?: number | null;
   reason?: string | null;
   progress?: IProgress | null;
+  /** ISO time after which what the kernel did is lost (a failed lazy restore). */
+  lost_after?: string | null;
 }

@@ -296,6 +296,45 @@ describe('CedanaModel', () => {
       expect(model.eventsSeen).toBe(true);
     });
 
+    it('shows what a failed lazy restore lost, and what the next resume says', async () => {
+      await model.refresh();
+      const lost =
+        'The kernel failed while its memory was being restored, and was stopped: ' +
+        'the page server stopped. What it did after its resume at ' +
+        '2026-01-01T10:02:03+00:00 is lost; its checkpoint taken at ' +
+        '2026-01-01T09:40:00+00:00 is kept, and the next resume goes back to it.';
+      events.stream.emit({
+        schema_id: EVENT_SCHEMA_ID,
+        kernel_id: 'k1',
+        action: 'failed',
+        state: 'failed',
+        reason: lost,
+        lost_after: '2026-01-01T10:02:03+00:00'
+      });
+      expect(model.get('k1')!.state).toBe('failed');
+      expect(model.get('k1')!.reason).toBe(lost);
+      const back =
+        'Resumed from its checkpoint taken at 2026-01-01T09:40:00+00:00: what it ' +
+        'did after its resume at 2026-01-01T10:02:03+00:00 was lost';
+      events.stream.emit({
+        schema_id: EVENT_SCHEMA_ID,
+        kernel_id: 'k1',
+        action: 'resumed',
+        state: 'running',
+        reason: back,
+        lost_after: '2026-01-01T10:02:03+00:00'
+      });
+      expect(model.get('k1')!.state).toBe('running');
+      expect(model.get('k1')!.reason).toBe(back);
+      events.stream.emit({
+        schema_id: EVENT_SCHEMA_ID,
+        kernel_id: 'k1',
+        action: 'resumed',
+        state: 'running'
+      });
+      expect(model.get('k1')!.reason).toBeNull();
+    });
+
     it('refreshes the kernel from the server after an event', async () => {
       await model.refresh();
       kernels[0] = { ...kernels[0], state: 'suspended', tier: 'disk' };
