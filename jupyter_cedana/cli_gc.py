@@ -1,11 +1,14 @@
 """`jupyter cedana gc`: remove the checkpoint images that no kernel of any running server
-owns (store_gc.py decides what is provably ours)."""
+owns and no server can adopt, with the park records adoption refuses, saying why
+(store_gc.py decides what is provably ours)."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 from pathlib import Path
+
+from jupyter_client.kernelspec import KernelSpecManager
 
 from . import store_gc
 from .checkpoint import CheckpointStore
@@ -55,9 +58,34 @@ def _owned_kernels(
     return keep, failed, sharing
 
 
+def _kernelspecs(client: Client | None) -> store_gc.KernelspecKnown:
+    """Whether a kernelspec exists, as this user's Jupyter finds kernelspecs here and as
+    the server asked sees them (it may run in another environment): gone only when
+    neither has it, unknown when neither can be asked."""
+    names: set[str] = set()
+    asked = False
+    try:
+        names |= set(KernelSpecManager().find_kernel_specs())
+        asked = True
+    except Exception:
+        pass
+    if client is not None:
+        try:
+            names |= set((client.get("../kernelspecs") or {}).get("kernelspecs") or {})
+            asked = True
+        except (CliError, AttributeError):
+            pass
+
+    def known(name: str) -> bool | None:
+        return True if name in names else (False if asked else None)
+
+    return known
+
+
 def cmd_gc(args: argparse.Namespace) -> int:
     servers: list[Server] = []
     own: set[str] = set()
+    client: Client | None = None
     if args.root:
         root = _resolved(args.root)
         servers = [s for s in running_servers() if s.url]
@@ -94,7 +122,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
             "no_server",
         )
     store = CheckpointStore(root)
-    found = store_gc.plan(store, keep)
+    found = store_gc.plan(store, keep, kernelspec_known=_kernelspecs(client))
     plan = found.remove
     if args.root and plan and not args.dry_run and not args.yes:
         images = sum(1 for p in plan if p.kind == "image")
@@ -134,7 +162,8 @@ def cmd_gc(args: argparse.Namespace) -> int:
         verb = "Would remove" if args.dry_run else "Removed"
         for item in removed:
             what = f"{item.kind} of kernel {item.kernel_id}" if item.kernel_id else item.kind
-            print(f"{verb} {what}: {item.path} ({human_bytes(item.bytes)})")
+            why = f"; no server can adopt it: {item.why}" if item.why else ""
+            print(f"{verb} {what}: {item.path} ({human_bytes(item.bytes)}){why}")
         if not removed:
             print(f"Nothing to remove under {root}.")
         else:

@@ -304,7 +304,8 @@ class Budget:
                     f"{_size(estimate)} (memory and GPU memory), and {_size(used)} of "
                     f"images plus {_size(others)} reserved by dumps under way leave "
                     f"{_size(max(0, limit - used - others))} of max_checkpoint_bytes="
-                    f"{limit} ({_size(limit)}); the kernel keeps running"
+                    f"{limit} ({_size(limit)}); the kernel keeps running. "
+                    + _holders([i for i in owned if i.kernel_id != kernel_id])
                 )
         free = self.free_bytes()
         pending = sum(
@@ -316,7 +317,8 @@ class Budget:
                 f"Not enough free space on the checkpoint disk: this kernel's image would "
                 f"take about {_size(estimate)}, {_size(free)} is free, dumps under way "
                 f"need {_size(pending)} more, and {_size(margin)} must stay free "
-                f"(SuspendLimits.min_free_disk_bytes); the kernel keeps running"
+                f"(SuspendLimits.min_free_disk_bytes); the kernel keeps running. "
+                + _holders([i for i in self.images() if i.kernel_id != kernel_id])
             )
         self._reserved[kernel_id] = estimate
 
@@ -354,6 +356,28 @@ class Budget:
             probe = probe.parent
         st = os.statvfs(probe)
         return st.f_bavail * st.f_frsize
+
+
+#: How many images a refusal names.
+HOLDERS_SHOWN = 5
+
+
+def _holders(images: list[Image]) -> str:
+    """What takes the space, for a refusal, and what frees it: a budget stays blocked
+    for as long as nobody learns which images hold it (e.g. of kernels an adoption
+    refused, or of failed kernels)."""
+    if not images:
+        return ""
+    images = sorted(images, key=lambda i: i.bytes, reverse=True)
+    named = ", ".join(f"{i.kernel_id} ({_size(i.bytes)})" for i in images[:HOLDERS_SHOWN])
+    more = len(images) - HOLDERS_SHOWN
+    return (
+        f"Checkpoint images, largest first: {named}"
+        + (f" and {more} more" if more > 0 else "")
+        + ". `jupyter cedana gc --dry-run` lists those no kernel can come back from "
+        "(left by a crash, refused at adoption) and `jupyter cedana gc` removes them; "
+        "shutting down a suspended or failed kernel frees its image."
+    )
 
 
 def _size(n: int) -> str:

@@ -18,13 +18,26 @@ import re
 import shutil
 import stat
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from .checkpoint import _ID_RE, MANIFEST, ROOT_MARKER, CheckpointStore, writer_gone
 from .errors import CheckpointCorrupt, NotFound
-from .parkrecords import RECORDS, parked_kernel_ids
+from .parkrecords import (
+    RECORD_FORMAT,
+    RECORDS,
+    RecordBusy,
+    RecordInvalid,
+    list_records,
+    locked_record,
+    parse_record,
+    remove_record,
+)
+
+#: Whether a kernelspec of this name exists for the user running gc; None: cannot say.
+KernelspecKnown = Callable[[str], bool | None]
 
 #: Logs, pid files and work directories younger than this are left alone: they may belong
 #: to a kernel that is starting and not yet listed by its server.
@@ -40,18 +53,24 @@ _LOG_RE = re.compile(r"^(?P<kid>[A-Za-z0-9][A-Za-z0-9_-]*)\.log$")
 
 @dataclass
 class Leftover:
-    kind: str  # image, temporary, log, pidfile, work
+    kind: str  # image, record, temporary, log, pidfile, work
     path: Path
     kernel_id: str | None
     bytes: int
+    why: str | None = None  # for what a suspended kernel left: why no server can adopt it
+    # A record as it was judged (inode, size, mtime): one rewritten since is left alone.
+    seen: tuple[int, int, int] | None = field(default=None, repr=False, compare=False)
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        found: dict[str, Any] = {
             "kind": self.kind,
             "path": str(self.path),
             "kernel_id": self.kernel_id,
             "bytes": self.bytes,
         }
+        if self.why:
+            found["why"] = self.why
+        return found
 
 
 @dataclass
@@ -135,18 +154,97 @@ def has_marker(root: Path) -> bool:
         return False
 
 
-def plan(store: CheckpointStore, keep: set[str], now: float | None = None) -> Plan:
-    """What gc removes under the store's root: images of kernels not in `keep` and not
-    parked, partial dumps whose writer (the server process named in the name) is gone,
-    deletions left half done; and, under a marked root, logs, pid files and CRIU work
-    directories of such kernels once older than GC_MIN_AGE."""
+def _identity(st: os.stat_result) -> tuple[int, int, int]:
+    return (st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def _refusal(path: Path, text: str, kernelspec_known: KernelspecKnown | None) -> str | None:
+    """Why no server can adopt the kernel of this record, or None (it may be adopted)."""
+    try:
+        record = parse_record(path, text)
+    except RecordInvalid as e:
+        with contextlib.suppress(ValueError, AttributeError, TypeError):
+            fmt = json.loads(text).get("format")
+            if isinstance(fmt, int) and fmt > RECORD_FORMAT:
+                return None  # a newer jupyter-cedana's: it may adopt it
+        return str(e)
+    name = str(record["kernel_name"])
+    if kernelspec_known is None or kernelspec_known(name) is not False:
+        return None
+    return f"record {path.name}: its kernelspec {name!r} is gone"
+
+
+def _judge_records(
+    store: CheckpointStore, kernelspec_known: KernelspecKnown | None, locks: bool = True
+) -> tuple[set[str], list[Leftover], list[Foreign]]:
+    """The kernels whose records keep them (and their images), and the records no server
+    can adopt, with the reason: one that does not parse or is not a park record of our
+    format, or one naming a kernelspec that `kernelspec_known` says is gone. A record
+    that cannot be read is kept; so is one a live server holds locked (it owns the
+    kernel), which is asked (`locks`) only of records about to be refused: a lock taken
+    by gc, however briefly, makes an adopting server skip the kernel."""
+    kept: set[str] = set()
+    refused: list[Leftover] = []
+    foreign: list[Foreign] = []
+    for path in list_records(store):
+        kid = path.name[: -len(".json")]
+        st = _lstat(path)
+        if not _mine(st, stat.S_IFREG):
+            kept.add(kid)
+            foreign.append(Foreign(path, "a park record that is not a file of this user"))
+            continue
+        try:
+            text = path.read_text()
+        except (OSError, UnicodeDecodeError):
+            kept.add(kid)
+            continue
+        why = _refusal(path, text, kernelspec_known)
+        if why is None:
+            kept.add(kid)
+            continue
+        if locks:
+            try:
+                with locked_record(path) as (fd, again):
+                    seen = _identity(os.fstat(fd))
+            except (RecordBusy, OSError):
+                kept.add(kid)  # held by the server that owns the kernel, or going away
+                continue
+            if again != text:
+                kept.add(kid)  # rewritten meanwhile: judged at the next gc
+                continue
+        else:
+            seen = _identity(st) if st is not None else (0, 0, 0)
+        refused.append(Leftover("record", path, kid, seen[1], why, seen))
+    return kept, refused, foreign
+
+
+def recorded_kernel_ids(store: CheckpointStore) -> set[str]:
+    """Kernels whose park records a server may adopt: their images are someone's. Records
+    that no server can adopt (they do not parse) leave their images to nobody."""
+    return _judge_records(store, None, locks=False)[0]
+
+
+def plan(
+    store: CheckpointStore,
+    keep: set[str],
+    now: float | None = None,
+    kernelspec_known: KernelspecKnown | None = None,
+) -> Plan:
+    """What gc removes under the store's root: images of kernels not in `keep` and
+    without a record a server can adopt; records no server can adopt (see
+    _judge_records), with their images; partial dumps whose writer is gone, deletions
+    left half done; and, under a marked root, logs, pid files and CRIU work directories
+    of such kernels once older than GC_MIN_AGE."""
     now = time.time() if now is None else now
     root = store.root
-    keep = keep | parked_kernel_ids(store)
     remove: list[Leftover] = []
     foreign: list[Foreign] = []
     if not root.is_dir():
         return Plan(remove, foreign)
+    recorded, refused, odd = _judge_records(store, kernelspec_known)
+    keep = keep | recorded
+    foreign.extend(odd)
+    why_of = {item.kernel_id: item.why for item in refused if item.kernel_id not in keep}
     marked = has_marker(root)
 
     def old(st: os.stat_result) -> bool:
@@ -169,7 +267,8 @@ def plan(store: CheckpointStore, keep: set[str], now: float | None = None) -> Pl
             if is_image(store, path):
                 if name not in keep:
                     images.add(name)
-                    remove.append(Leftover("image", path, name, _tree_bytes(path)))
+                    size = _tree_bytes(path)
+                    remove.append(Leftover("image", path, name, size, why_of.get(name)))
             else:
                 leave(path, "no manifest of jupyter-cedana's for this kernel id")
         elif m := _TMP_RE.match(name):
@@ -212,7 +311,25 @@ def plan(store: CheckpointStore, keep: set[str], now: float | None = None) -> Pl
             if kid not in keep and (kid in images or old(pst)):
                 size = pst.st_size if wanted == stat.S_IFREG else _tree_bytes(path)
                 remove.append(Leftover(kind, path, kid, size))
+    # Records last: a record left without its image is dropped by the next adoption.
+    remove.extend(item for item in refused if item.kernel_id not in keep)
     return Plan(remove, foreign)
+
+
+def _remove_record(item: Leftover) -> str | None:
+    """Unlink a refused record under its lock, unless it changed since it was judged."""
+    try:
+        with locked_record(item.path) as (fd, _text):
+            if _identity(os.fstat(fd)) != item.seen:
+                return f"{item.path} was rewritten since it was checked; left alone"
+            remove_record(item.path)
+    except RecordBusy:
+        return f"{item.path} is now held by a server; left alone"
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        return f"could not remove {item.path}: {e}"
+    return None
 
 
 def apply(leftovers: list[Leftover]) -> tuple[list[Leftover], list[str]]:
@@ -231,6 +348,13 @@ def apply(leftovers: list[Leftover]) -> tuple[list[Leftover], list[str]]:
         m = _TMP_RE.match(item.path.name) if item.kind == "temporary" else None
         if m and not _tmp_writer_gone(item.path, m):
             errors.append(f"{item.path} is being written again; left alone")
+            continue
+        if item.kind == "record":
+            error = _remove_record(item)
+            if error is not None:
+                errors.append(error)
+                continue
+            removed.append(item)
             continue
         try:
             if is_dir:

@@ -213,3 +213,28 @@ def test_a_due_retry_is_allowed_and_a_new_failure_waits_longer() -> None:
     assert backoff.failed("k", SuspendFailed("x"), None).failures == 2
     backoff.forget_except({"other"})
     assert backoff.failed("k", SuspendFailed("x"), None).failures == 1
+
+
+def test_a_refusal_names_what_holds_the_space_and_how_to_free_it(tmp_path: Path) -> None:
+    """A suspend refused for the budget or the disk says which images take the space
+    (the largest first), and the command that shows and removes the leftovers."""
+    store = CheckpointStore(tmp_path)
+    big = image(store, "parked-big", 6000)
+    small = image(store, "parked-small", 2000)
+    image(store, "orphan", 9000)
+    b = budget(store, 10_000, {"parked-big", "parked-small", "new"})
+    with pytest.raises(InsufficientStorage) as info:
+        b.reserve("new", 4000)
+    message = info.value.message
+    assert f"parked-big ({big / 1024:.1f} KiB)" in message, message
+    assert f"parked-small ({small / 1024:.1f} KiB)" in message, message
+    assert message.index("parked-big") < message.index("parked-small")
+    assert "jupyter cedana gc --dry-run" in message
+    assert "orphan" not in message  # it does not count against the budget
+
+    disk = budget(store, 0, {"parked-big"}, min_free=0)
+    with pytest.raises(InsufficientStorage, match="Not enough free space") as info:
+        disk.reserve("new", disk.free_bytes() + (1 << 30))
+    message = info.value.message
+    assert "parked-big" in message and "orphan" in message, message
+    assert "jupyter cedana gc --dry-run" in message

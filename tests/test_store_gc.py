@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import signal
@@ -187,20 +188,87 @@ def test_an_entry_replaced_after_planning_is_left_alone(tmp_path: Path) -> None:
     assert (victim / "precious").read_text() == "keep me"
 
 
-def test_parked_kernels_keep_their_images(tmp_path: Path) -> None:
-    """A parked kernel (a record under .parked/, written when its server stopped) owns its
-    image although no running server lists it; the records are parking's own."""
+def record(store: CheckpointStore, kid: str, kernel_name: str = "python3") -> Path:
+    """A park record as a server writes it for a suspended kernel."""
+    path = store.root / ".parked" / f"{kid}.json"
+    path.parent.mkdir(mode=0o700, exist_ok=True)
+    body = {
+        "format": 1,
+        "kernel_id": kid,
+        "kernel_name": kernel_name,
+        "connection_info": {"key": "k", "ip": "127.0.0.1"},
+        "uid": os.geteuid(),
+    }
+    path.write_text(json.dumps(body))
+    return path
+
+
+def test_suspended_kernels_keep_their_images_and_records(tmp_path: Path) -> None:
+    """A suspended kernel (a record under .parked/) owns its image although no running
+    server lists it: the next server adopts it. Only images with no record are orphans."""
     store = CheckpointStore(tmp_path)
     store.ensure_root()
     parked, orphan = str(uuid.uuid4()), str(uuid.uuid4())
     image(store, parked)
     image(store, orphan)
-    records = tmp_path / ".parked"
-    records.mkdir(mode=0o700)
-    (records / f"{parked}.json").write_text("{}")
-    plan = store_gc.plan(store, keep=set())
+    kept = record(store, parked)
+    plan = store_gc.plan(store, keep=set(), kernelspec_known=lambda name: True)
     assert {(i.kind, i.kernel_id) for i in plan.remove} == {("image", orphan)}
     assert ".parked" not in {f.path.name for f in plan.foreign}
+    store_gc.apply(plan.remove)
+    assert store.exists(parked) and kept.is_file() and not store.exists(orphan)
+
+
+def test_records_adoption_refuses_are_collected_with_the_reason(tmp_path: Path) -> None:
+    """A record no server can adopt (it does not parse, is of another format, or names a
+    kernelspec that is gone) holds its image for nobody: gc says why and removes both.
+    A record a live server holds locked is its kernel's, whatever gc makes of it."""
+    store = CheckpointStore(tmp_path)
+    store.ensure_root()
+    good, torn, alien, nospec, held, unjudged, newer = (str(uuid.uuid4()) for _ in range(7))
+    for kid in (good, torn, alien, nospec, held, unjudged, newer):
+        image(store, kid)
+    record(store, good)
+    record(store, torn).write_text('{"format": 1, "kernel_id"')
+    record(store, alien).write_text(json.dumps([{"format": 1, "kernel_id": alien}]))
+    # A newer jupyter-cedana's record: that version may adopt it.
+    record(store, newer).write_text(json.dumps({"format": 99, "kernel_id": newer}))
+    record(store, nospec, kernel_name="gone-spec")
+    held_path = record(store, held)
+    held_path.write_text("not json either")
+    record(store, unjudged, kernel_name="unknown-spec")
+    fd = os.open(held_path, os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # as the server that owns the kernel does
+    try:
+        known = {"python3": True, "gone-spec": False}
+        plan = store_gc.plan(store, keep=set(), kernelspec_known=known.get)
+        planned = {(i.kind, i.kernel_id): i.why for i in plan.remove}
+        assert set(planned) == {
+            ("record", torn),
+            ("image", torn),
+            ("record", alien),
+            ("image", alien),
+            ("record", nospec),
+            ("image", nospec),
+        }
+        assert "does not parse" in (planned["record", torn] or "")
+        assert "format" in (planned["record", alien] or "")
+        assert "kernelspec 'gone-spec' is gone" in (planned["record", nospec] or "")
+        assert planned["image", nospec] == planned["record", nospec]
+        removed, errors = store_gc.apply(plan.remove)
+        assert errors == [] and len(removed) == 6
+    finally:
+        os.close(fd)
+    for kid in (good, held, unjudged, newer):
+        assert store.exists(kid)
+    assert {p.name for p in (tmp_path / ".parked").iterdir()} == {
+        f"{good}.json",
+        f"{held}.json",
+        f"{unjudged}.json",
+        f"{newer}.json",
+    }
+    for kid in (torn, alien, nospec):
+        assert not store.exists(kid)
 
 
 # A process that starts a dump the way a server does, says where, and waits to be killed.
