@@ -28,6 +28,7 @@ from .integrity import (
     table_name,
     write_table,
 )
+from .timestamps import stamp
 
 __all__ = ["CheckpointStore", "validate_kernel_id"]
 
@@ -211,6 +212,8 @@ class CheckpointStore:
             "format": FORMAT_VERSION,
             "kernel_id": kernel_id,
             "created": time.time(),
+            # The suspend on the boot clock too: retention must not end by a clock jump.
+            "created_clock": stamp().to_json(),
             "host": socket.gethostname(),
             "files": files,
             "total_bytes": total,

@@ -47,7 +47,7 @@ def kernel_facts(manager: SuspendManager, kernel_id: str, kernel: Any) -> Kernel
         gpu_memory_bytes=sum(g.memory_bytes for g in gpus),
         gpu_idle=gpu_idle,
         keep_awake_seconds=max(0.0, (manager.keep_awake_until(kernel_id) or 0.0) - now),
-        suspended_seconds=now - prov.suspended_at if prov and prov.suspended_at else 0.0,
+        suspended_seconds=manager.suspended_seconds(kernel_id, prov) if prov else 0.0,
         managed=prov is not None,
         extra_reasons=extra,
     )

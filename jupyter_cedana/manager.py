@@ -34,11 +34,12 @@ from .limits import (
     gpu_bytes,
     settled,
 )
-from .parkrecords import parked_kernel_ids
-from .policy import KernelFacts, SuspendPolicy, retention_ended
+from .policy import KernelFacts, SuspendPolicy, retention_ended, suspended_for
 from .proctree import process_tree
 from .provisioner import CedanaProvisioner, KernelState
 from .status import server_status
+from .store_gc import recorded_kernel_ids
+from .timestamps import Stamp, stamp
 
 MAX_KEEP_AWAKE = 7 * 24 * 3600
 
@@ -68,6 +69,9 @@ class SuspendManager(LoggingConfigurable):
         super().__init__(**kwargs)
         self._attached: set[int] = set()
         self._keep_awake: dict[str, float] = {}
+        # When each kernel's retention began, on the boot clock: (the provisioner's
+        # suspended_at it goes with, or None for a failure without one, and the stamp).
+        self._retention_since: dict[str, tuple[float | None, Stamp]] = {}
         self._gpus: dict[str, list[Any]] = {}
         self._gpus_before_suspend: dict[str, int] = {}
         self._asked: set[str] = set()  # kernels a person asked to suspend
@@ -96,11 +100,37 @@ class SuspendManager(LoggingConfigurable):
         self.events.resume_listeners.append(callback)
 
     def owned_image_ids(self) -> set[str]:
-        """Kernels whose images are someone's: this server's, and parked ones."""
+        """Kernels whose images are someone's: this server's, and parked ones (whose
+        records a server may adopt: one that does not parse leaves its image to nobody,
+        reported as an orphan, for `jupyter cedana gc`)."""
         km = self.kernel_manager
         owned = set(km.list_kernel_ids()) if km is not None else set()
-        owned |= parked_kernel_ids(self.engine.store)
+        owned |= recorded_kernel_ids(self.engine.store)
         return owned
+
+    def retention_since(self, kernel_id: str, prov: CedanaProvisioner) -> Stamp | float | None:
+        """When the kernel's retention began: its suspend, or for a failed kernel that
+        has none, its failure; on the boot clock where this server saw it or the image's
+        manifest says, else on the wall clock alone (policy.suspended_for)."""
+        seen = self._retention_since.get(kernel_id)
+        if prov.suspended_at:
+            if seen is not None and seen[0] == prov.suspended_at:
+                return seen[1]
+            if prov.tier == "disk":
+                with contextlib.suppress(CedanaError, OSError, ValueError):
+                    made = self.engine.store.read_manifest(kernel_id).get("created_clock")
+                    found = Stamp.from_json(made)
+                    if found is not None:
+                        self._retention_since[kernel_id] = (prov.suspended_at, found)
+                        return found
+            return float(prov.suspended_at)
+        if prov.state == KernelState.failed and seen is not None and seen[0] is None:
+            return seen[1]
+        return None
+
+    def suspended_seconds(self, kernel_id: str, prov: CedanaProvisioner) -> float:
+        since = self.retention_since(kernel_id, prov)
+        return suspended_for(since, self.policy.retention)
 
     def add_suspend_guard(self, guard: Any) -> None:
         """guard(kernel_id) -> True while the policy must not suspend that kernel (the
@@ -380,6 +410,8 @@ class SuspendManager(LoggingConfigurable):
         ids = list(self.kernel_manager.list_kernel_ids())
         for gone in set(self._keep_awake) - set(ids):
             self._keep_awake.pop(gone, None)
+        for gone in set(self._retention_since) - set(ids):
+            self._retention_since.pop(gone, None)
         self.backoff.forget_except(set(ids))
         self._cancel_queued(lambda kid: kid not in ids)
         self._sample_gpus(ids)
@@ -445,17 +477,31 @@ class SuspendManager(LoggingConfigurable):
             return True
         if prov is None or prov.state == KernelState.running:
             return True
-        return prov.state == KernelState.suspended and retention_ended(
-            self.policy.retention, prov.suspended_at
+        return prov.state in (KernelState.suspended, KernelState.failed) and retention_ended(
+            self.policy.retention, self.retention_since(kernel_id, prov)
         )
 
     # -- events ---------------------------------------------------------------------------
 
     def _on_change(self, prov: CedanaProvisioner, what: str) -> None:
+        if what == "state":
+            self._note_retention_start(prov)
         progress = prov.progress
         if what == "progress" and progress is not None and progress.phase == "dump":
             self.budget.written(str(prov.kernel_id), progress.bytes_done or 0)
         self.events.on_change(prov, what)
+
+    def _note_retention_start(self, prov: CedanaProvisioner) -> None:
+        kid = str(prov.kernel_id)
+        seen = self._retention_since.get(kid)
+        if prov.state == KernelState.suspended and prov.suspended_at:
+            if seen is None or seen[0] != prov.suspended_at:
+                self._retention_since[kid] = (prov.suspended_at, stamp())
+        elif prov.state == KernelState.failed:
+            if prov.suspended_at is None and (seen is None or seen[0] is not None):
+                self._retention_since[kid] = (None, stamp())
+        elif prov.state == KernelState.running:
+            self._retention_since.pop(kid, None)
 
     def note_suspend_failure(self, kernel_id: str, error: CedanaError) -> None:
         """A suspend refused before the provisioner changed state (e.g. CRIU missing)."""

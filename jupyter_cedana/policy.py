@@ -1,16 +1,31 @@
-"""Suspend policy: when an idle kernel is suspended, and to which tier.
+"""Suspend policy: when an idle kernel is suspended, and to which tier, and when a
+suspended (or failed) kernel's retention ends.
 
 Pure decisions over a snapshot of a kernel, so they can be tested without a server.
+
+Retention deletes images, so a wall clock set forward must not end it. How long a kernel
+has been suspended (`suspended_for`) is measured:
+
+- within the boot it was suspended in, on CLOCK_BOOTTIME, which no one sets: a jump of
+  the wall clock changes nothing;
+- across a reboot, as this boot's uptime (CLOCK_BOOTTIME again) plus what the wall clock
+  says of the time before this boot, believed up to half the retention: a machine may
+  boot with its clock wrong, so after a reboot every kernel is kept at least half its
+  retention, whatever the clock did; with a right clock, a kernel whose time was
+  nearly up before the reboot is kept up to half its retention longer than asked;
+- for a suspend time known only by the wall clock (e.g. from a park record), as the wall
+  clock says, at least 0 and at most this boot's uptime plus half the retention.
 """
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from traitlets import Bool, Float, Integer, List, Unicode
 from traitlets.config import LoggingConfigurable
+
+from .timestamps import CLOCK, Clock, Stamp
 
 
 @dataclass
@@ -28,7 +43,7 @@ class KernelFacts:
     gpu_memory_bytes: int
     gpu_idle: bool
     keep_awake_seconds: float  # > 0 while a keep-awake is in force
-    suspended_seconds: float  # time since suspend, when suspended
+    suspended_seconds: float  # retention time counted: since suspend (or failure)
     managed: bool  # started by cedana-provisioner
     extra_reasons: list[str] = field(default_factory=list)
 
@@ -47,10 +62,36 @@ def retention_left(retention: float, suspended_seconds: float) -> float | None:
     return retention - suspended_seconds if retention > 0 else None
 
 
-def retention_ended(retention: float, suspended_at: float | None) -> bool:
-    if not suspended_at:
+#: The part of the retention that the wall clock may count, across a reboot, for the
+#: time before it (see the module docstring).
+BELIEVED_ACROSS_REBOOT = 0.5
+
+
+def suspended_for(since: Stamp | float | None, retention: float, clock: Clock = CLOCK) -> float:
+    """Seconds since `since` (a suspend), as retention counts them."""
+    if since is None:
+        return 0.0
+    if not isinstance(since, Stamp):
+        since = Stamp(float(since))
+    up = clock.boottime()
+    now_boot = clock.boot_id()
+    if up is not None and since.boottime is not None and since.boot_id == now_boot:
+        return max(0.0, up - since.boottime)
+    wall = max(0.0, clock.wall() - since.wall)
+    if up is None:
+        return wall  # no boot clock here: the wall clock is all there is
+    cap = BELIEVED_ACROSS_REBOOT * retention if retention > 0 else float("inf")
+    if since.boot_id is not None and since.boot_id != now_boot and now_boot is not None:
+        return up + min(max(0.0, wall - up), cap)  # surely suspended for all of this boot
+    return min(wall, up + cap)
+
+
+def retention_ended(
+    retention: float, suspended_at: Stamp | float | None, clock: Clock = CLOCK
+) -> bool:
+    if not suspended_at or retention <= 0:
         return False
-    left = retention_left(retention, time.time() - suspended_at)
+    left = retention_left(retention, suspended_for(suspended_at, retention, clock))
     return left is not None and left <= 0
 
 
@@ -121,8 +162,12 @@ class SuspendPolicy(LoggingConfigurable):
         0.0,
         help="Seconds a suspended kernel is kept; after that it is shut down and its image "
         "deleted. Parked kernels (KernelParking) count from their suspend too: past it they "
-        "are not adopted and their image is removed. 0 keeps them until a user shuts them "
-        "down.",
+        "are not adopted and their image is removed. A kernel whose resume failed counts "
+        "from its suspend (or its failure) and is shut down too, its image with it. Time "
+        "is counted on the boot clock, which a wall clock set forward does not move; "
+        "across a reboot the wall clock may count at most half the retention for the time "
+        "before it, so a kernel is kept at least half its retention after a reboot. 0 "
+        "keeps them until a user shuts them down.",
     ).tag(config=True)
 
     def idle_timeout_for(self, facts: KernelFacts) -> float:
@@ -149,6 +194,14 @@ class SuspendPolicy(LoggingConfigurable):
         return None
 
     def decide(self, facts: KernelFacts) -> Decision:
+        if facts.state == "failed":
+            # Its image stays for another resume; not forever (it holds the disk budget).
+            left = retention_left(self.retention, facts.suspended_seconds)
+            if left is None:
+                return Decision(None, None, None)
+            if left <= 0:
+                return Decision("shutdown", "retention time of a failed kernel ended", 0)
+            return Decision(None, None, left)
         if facts.state == "suspended":
             if facts.tier == "offload":
                 remaining = self.idle_timeout_for(facts) - facts.idle_seconds

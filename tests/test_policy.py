@@ -6,7 +6,14 @@ from typing import Any
 
 import pytest
 
-from jupyter_cedana.policy import KernelFacts, SuspendPolicy
+from jupyter_cedana.policy import (
+    KernelFacts,
+    SuspendPolicy,
+    retention_ended,
+    retention_left,
+    suspended_for,
+)
+from jupyter_cedana.timestamps import SuspendClock, stamp
 
 
 def facts(**kw: Any) -> KernelFacts:
@@ -128,3 +135,101 @@ def test_policy_offload_then_disk() -> None:
         ).action
         is None
     )
+
+
+def test_retention_applies_to_failed_kernels_too() -> None:
+    """A kernel whose resume failed keeps its image; past retention it is shut down and
+    its image goes, as a suspended kernel's does, rather than hold the disk forever."""
+    p = SuspendPolicy(retention=3600)
+    assert p.decide(facts(state="failed", suspended_seconds=3601)).action == "shutdown"
+    kept = p.decide(facts(state="failed", suspended_seconds=600))
+    assert kept.action is None and kept.due_in == 3000
+    forever = SuspendPolicy(retention=0).decide(facts(state="failed", suspended_seconds=1e9))
+    assert forever.action is None and forever.due_in is None
+
+
+class FakeClock:
+    """The three clocks retention reads, set by the test."""
+
+    def __init__(self, wall: float, boottime: float, boot_id: str = "boot-a"):
+        self.wall_s, self.boottime_s, self.boot = wall, boottime, boot_id
+
+    def wall(self) -> float:
+        return self.wall_s
+
+    def boottime(self) -> float:
+        return self.boottime_s
+
+    def boot_id(self) -> str | None:
+        return self.boot
+
+    def run(self, seconds: float) -> None:
+        self.wall_s += seconds
+        self.boottime_s += seconds
+
+    def reboot(self, down: float, boot_id: str) -> None:
+        self.wall_s += down
+        self.boottime_s, self.boot = 0.0, boot_id
+
+
+DAY = 86400.0
+
+
+def test_a_wall_clock_set_forward_does_not_end_retention() -> None:
+    clock = FakeClock(wall=1_800_000_000.0, boottime=5000.0)
+    since = stamp(clock)
+    clock.run(3600)
+    clock.wall_s += 30 * DAY  # NTP, or an admin, sets the clock a month forward
+    assert not retention_ended(DAY, since, clock)
+    assert retention_left(DAY, suspended_for(since, DAY, clock)) == pytest.approx(DAY - 3600)
+    clock.run(DAY - 3600 + 1)  # a day of real time since the suspend
+    assert retention_ended(DAY, since, clock)
+
+
+def test_a_reboot_with_a_clock_set_forward_leaves_half_the_retention() -> None:
+    """Across a reboot only the wall clock spans the time the machine was down, and it may
+    have been set wrong at boot: it may count up to half the retention for that time, so
+    a kernel is kept at least half its retention after a reboot, whatever the clock did."""
+    clock = FakeClock(wall=1_800_000_000.0, boottime=5000.0)
+    since = stamp(clock)
+    clock.run(600)
+    clock.reboot(down=120, boot_id="boot-b")
+    clock.wall_s += 365 * DAY  # the clock came up a year ahead
+    clock.run(60)
+    assert not retention_ended(DAY, since, clock)
+    assert suspended_for(since, DAY, clock) == pytest.approx(DAY / 2 + 60)
+    clock.run(DAY / 2 - 61)
+    assert not retention_ended(DAY, since, clock)
+    clock.run(2)
+    assert retention_ended(DAY, since, clock)
+
+
+def test_a_reboot_with_a_right_clock_counts_the_time_down() -> None:
+    clock = FakeClock(wall=1_800_000_000.0, boottime=5000.0)
+    since = stamp(clock)
+    clock.run(3600)
+    clock.reboot(down=4 * 3600, boot_id="boot-b")
+    clock.run(60)
+    # Less than half the retention: the wall clock is taken as it is.
+    assert suspended_for(since, DAY, clock) == pytest.approx(5 * 3600 + 60)
+    assert not retention_ended(DAY, since, clock)
+
+
+def test_a_clock_set_back_never_adds_time() -> None:
+    clock = FakeClock(wall=1_800_000_000.0, boottime=5000.0)
+    since = stamp(clock)
+    clock.run(600)
+    clock.wall_s -= 10 * DAY
+    assert suspended_for(since, DAY, clock) == pytest.approx(600)
+    # A suspend time known only by the wall clock (e.g. an older park record) counts no
+    # less than zero, and no more than this boot's uptime plus half the retention.
+    assert suspended_for(clock.wall_s + 50, DAY, clock) == 0.0
+    assert suspended_for(clock.wall_s - 100 * DAY, DAY, clock) == pytest.approx(5600 + DAY / 2)
+
+
+def test_the_real_clock_reads() -> None:
+    clock = SuspendClock()
+    now = stamp(clock)
+    assert now.boottime is not None and now.boottime > 0
+    assert now.boot_id and now.boot_id == clock.boot_id()
+    assert suspended_for(now, DAY, clock) == pytest.approx(0.0, abs=5.0)
