@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Sets up everything (idempotently) and runs every check: Python lint and types, C with
 # -Werror (in the build), TypeScript lint, jest, and pytest (real kernels, real CRIU, a
-# real JupyterLab in Debian's chromium). Needs root: CRIU dumps processes, and some
-# fault tests mount a tiny tmpfs.
+# real JupyterLab in Debian's chromium), then builds the wheel and checks it in a fresh
+# virtualenv. Needs root: CRIU dumps processes, and some fault tests mount a tiny tmpfs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -24,6 +24,9 @@ jlpm lint:check
 jlpm test
 step "pytest"
 python -m pytest "$@"
+step "the wheel: manylinux wheel and sdist, installed into a fresh virtualenv, a server from it"
+bash scripts/build-wheel.sh
+bash scripts/check-wheel.sh
 step "peer conformance: nbclient and jupyter_client kernel suites, cedana-provisioner vs stock"
 bash scripts/conformance.sh
 if [ $# -eq 0 ] && [ "$(id -u)" = 0 ]; then
