@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import json
 import logging
 import os
 import socket
@@ -321,7 +322,22 @@ async def test_orphaned_images_are_reported_at_start(api, server_log, orphan, ch
 async def test_parked_images_are_owned(api, checkpoint_root, orphan):
     records = checkpoint_root / ".parked"
     records.mkdir(mode=0o700)
-    (records / f"{orphan}.json").write_text("{}")  # parked by a server that stopped
+    record = records / f"{orphan}.json"
+    record.write_text("{}")  # no server can adopt this: its image is nobody's
+    _, st = await api("GET", "status")
+    assert st["budget"]["orphaned_kernel_ids"] == [orphan] and st["budget"]["used"] == 0
+    # Parked by a server that stopped: the next one adopts it.
+    record.write_text(
+        json.dumps(
+            {
+                "format": 1,
+                "kernel_id": orphan,
+                "kernel_name": "python3",
+                "connection_info": {},
+                "uid": os.geteuid(),
+            }
+        )
+    )
     _, st = await api("GET", "status")
     assert st["budget"]["orphaned_images"] == 0 and st["budget"]["used"] == orphan_bytes(
         checkpoint_root, orphan
