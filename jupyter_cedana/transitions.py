@@ -5,7 +5,9 @@ lock, progress, and the listeners told of every change.
                   │                        │            │
                   └→ running (failed       │            └→ failed (a lazily restored
                      suspend: runs on)     │               kernel's memory could not all
-                                           │               be loaded; image kept)
+                                           │               be loaded: killed, image kept,
+                                           │               what it did since its resume
+                                           │               lost, and the reason says so)
                                            └→ failed (image kept) / suspended
                                               (cancelled or refused by admission)
 
