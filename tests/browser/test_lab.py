@@ -367,3 +367,76 @@ def test_a_kernel_that_cannot_be_checkpointed_says_why(
         peer.close()
     finally:
         listener.close()
+
+
+SCREENSHOT_DIR_ENV = "CEDANA_SCREENSHOT_DIR"
+
+
+def _widen_left_sidebar(page: Any, panel: Any, width: int) -> None:
+    """Drag the handle between the left sidebar and the notebooks until the sidebar is
+    about `width` pixels wide (its default leaves the card's lines wrapped)."""
+    box = panel.bounding_box()
+    handle = page.locator("#jp-main-split-panel > .lm-SplitPanel-handle:not(.lm-mod-hidden)")
+    grip = handle.first.bounding_box()
+    y = grip["y"] + grip["height"] / 2
+    page.mouse.move(grip["x"] + grip["width"] / 2, y)
+    page.mouse.down()
+    page.mouse.move(box["x"] + width, y, steps=5)
+    page.mouse.up()
+    page.wait_for_function(
+        "([id, width]) => document.getElementById(id).getBoundingClientRect().width >= width - 40",
+        arg=[PANEL_ID, width],
+        timeout=10_000,
+    )
+
+
+def test_sidebar_screenshot_of_a_suspended_kernel(page: Any, lab_server: LabServer) -> None:
+    """The README's picture: a notebook whose cells ran, its kernel suspended from the
+    sidebar, and the sidebar's card for it. Saved as test-artifacts/sidebar.png, and into
+    $CEDANA_SCREENSHOT_DIR when set (scripts/screenshot.sh: docs/images/)."""
+    page.set_viewport_size({"width": 1280, "height": 800})
+    cells = [
+        "import numpy as np\n"
+        "rng = np.random.default_rng(seed=7)\n"
+        "samples = rng.normal(loc=3.0, scale=0.5, size=(4_000, 2_000))\n"
+        "samples.shape",
+        "means = samples.mean(axis=1)\n"
+        'print(f"mean of the means: {means.mean():.3f} ± {means.std():.4f}")',
+    ]
+    name = _write_notebook(lab_server, "analysis.ipynb", cells)
+    kernel_id = _open_notebook(page, lab_server, name)
+    for i in range(len(cells)):
+        _run_cell(page, i)
+        _cells(page).nth(i).locator(".jp-InputPrompt", has_text=f"[{i + 1}]").wait_for(
+            timeout=60_000
+        )
+    assert _cell_output(page, 0).inner_text().strip() == "(4000, 2000)"
+    assert "mean of the means: 3.000" in _cell_output(page, 1).inner_text()
+    _wait_execution_state(lab_server, kernel_id, "idle")
+
+    panel = _open_panel(page)
+    _widen_left_sidebar(page, panel, 360)
+    kernel = _suspend_from_sidebar(page, lab_server, kernel_id)
+    assert kernel["state"] == "suspended", kernel
+    card = _card(page, kernel_id)
+    # What the picture is for: the state, the idle time, the image's size, the suspend's
+    # duration, and the notebook's own indicator.
+    assert card.locator(".jp-cedana-badge").inner_text().lower().startswith("suspended")
+    assert re.search(r"\d", card.locator(".jp-cedana-idle").inner_text())
+    assert re.search(r"\d+(\.\d+)? [KMG]B", card.locator(".jp-cedana-checkpoint").inner_text())
+    assert "suspend" in card.locator(".jp-cedana-durations").inner_text()
+    _notebook(page).locator(
+        '.jp-NotebookPanel-toolbar .jp-cedana-indicator[data-state="suspended"]'
+    ).wait_for(timeout=30_000)
+    assert panel.locator(".jp-cedana-suspended-count").inner_text().startswith("1 / ")
+
+    # No hover highlight on the button just clicked.
+    page.mouse.move(1270, 790)
+    ARTIFACTS.mkdir(exist_ok=True)
+    targets = [ARTIFACTS / "sidebar.png"]
+    if os.environ.get(SCREENSHOT_DIR_ENV):
+        targets.append(Path(os.environ[SCREENSHOT_DIR_ENV]) / "sidebar.png")
+    shot = page.screenshot()
+    for target in targets:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(shot)
