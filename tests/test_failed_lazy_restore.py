@@ -69,7 +69,13 @@ async def test_a_failed_lazy_restore_answers_the_cell_and_says_what_is_lost(
     code = f"open({str(fifo)!r}).read()" if failure != "damaged chunk" else "print(int(a.sum()))"
     cell = client.execute(code)
     await client.about(cell, _busy_for(cell))
+    queued = None
     if failure == "page server killed":
+        # Another notebook's cell, given to the kernel and waiting behind the first.
+        other = await connect(kid, "json")
+        queued = other.execute("print('queued')")
+        g = gated.gate(jp_serverapp)
+        await gated.until(lambda: queued in g._unanswered.get(kid, {}), "the queued cell sent")
         os.kill(server, signal.SIGKILL)
 
     got = await asyncio.wait_for(client.answer(cell), 60)
@@ -85,6 +91,11 @@ async def test_a_failed_lazy_restore_answers_the_cell_and_says_what_is_lost(
     assert [(e["ename"], e["evalue"]) for e in shown] == [("KernelRestoreError", text)]
     assert got["status"][-1] == "idle"
     assert not [m for m in got["msgs"] if m["msg_type"] == "stream"]
+    if queued is not None:
+        got = await asyncio.wait_for(other.answer(queued), 60)
+        assert got["reply"]["content"]["status"] == "error", got["reply"]
+        assert got["reply"]["content"]["evalue"] == text
+        assert got["stdout"] == "" and got["status"][-1] == "idle"
 
     _, k = await api("GET", "kernels", kid)
     assert k["state"] == "failed" and k["reason"] == text, k
