@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import signal
 import subprocess
 import time
 from collections.abc import Callable
@@ -76,6 +77,33 @@ def criu_errors(log: Path, limit: int = 3) -> str:
         or "; ".join(errors[-limit:])
         or (lines[-1] if lines else "no output")
     )
+
+
+def criu_last_step(log: Path) -> str:
+    """What a CRIU log says CRIU was doing last: its last line, without the timestamp."""
+    try:
+        with open(log, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 4096))
+            lines = f.read().decode(errors="replace").splitlines()
+    except OSError:
+        return "no CRIU log"
+    for line in reversed(lines):
+        if line.startswith("(") and ")" in line:
+            line = line[line.index(")") + 1 :]
+        line = " ".join(line.split())
+        # The parasite logs there too, and goes on after CRIU is gone (it cures itself).
+        if line and not line.startswith("pie: "):
+            return line
+    return "an empty CRIU log"
+
+
+def _exit_status(returncode: int) -> str:
+    if returncode >= 0:
+        return f"exit {returncode}"
+    with contextlib.suppress(ValueError):
+        return f"killed by {signal.Signals(-returncode).name}"
+    return f"killed by signal {-returncode}"
 
 
 async def criu_dump(
@@ -158,8 +186,14 @@ async def criu_dump(
         sums = await asyncio.to_thread(hasher.finish)
     stderr = (await proc.stderr.read()).decode(errors="replace") if proc.stderr else ""
     written = hasher.error if isinstance(hasher, ImageCapture) else None
-    if proc.returncode != 0:
-        why = criu_errors(images / "dump.log")
+    rc = proc.returncode or 0  # it has exited: set
+    if rc != 0:
+        if rc < 0:
+            # Killed (by the OOM killer, an admin): the errors in its log are complaints
+            # it went on after, not why it stopped; where it stopped is what helps.
+            why = f"it stopped at: {criu_last_step(images / 'dump.log')}"
+        else:
+            why = criu_errors(images / "dump.log")
         if written:  # CRIU failed because its pipes were closed on it: say why
             why = f"writing the image failed: {written} (CRIU: {why})"
         st = os.statvfs(images)
@@ -167,7 +201,7 @@ async def criu_dump(
         if "No space left" in why or free < (1 << 20):
             # A full disk also swallows CRIU's own log, so say it from here.
             why = f"no space left on the checkpoint disk ({free} bytes free): {why}"
-        raise SuspendFailed(f"CRIU dump failed (exit {proc.returncode}): {why or stderr.strip()}")
+        raise SuspendFailed(f"CRIU dump failed ({_exit_status(rc)}): {why or stderr.strip()}")
     if written:
         raise SuspendFailed(f"Writing the image failed: {written}")
     return DumpResult(time.monotonic() - t0, sums, hasher.zero_bytes)

@@ -23,8 +23,10 @@ from __future__ import annotations
 
 import asyncio
 import shlex
+import threading
 import time
 from pathlib import Path
+from typing import Any
 
 from jupyter_cedana.engine import CheckpointEngine
 
@@ -160,3 +162,114 @@ class CriuHold:
                 self._file("arm", op, point).unlink(missing_ok=True)
                 if self.reached(op, point):
                     self.release(op, point)
+
+
+# -- stages inside a real `criu dump` -----------------------------------------------------
+
+_ACTION_SCRIPT = r"""#!/bin/sh
+# criu --action-script for tests (tests/criu_hold.py): holds criu dump at an armed action.
+DIR=@DIR@
+stage=$CRTOOLS_SCRIPT_ACTION
+[ -e "$DIR/arm-$stage" ] || exit 0
+rm -f "$DIR/arm-$stage"
+: >"$DIR/reached-$stage"
+while [ ! -e "$DIR/release-$stage" ]; do sleep 0.01; done
+rm -f "$DIR/release-$stage"
+"""
+
+ACTION_STAGES = ("pre-dump", "post-dump")
+DUMP_STAGES = ("pre-dump", "parasite", "post-dump")
+
+
+class DumpStages:
+    """Hold the real `criu dump` (no wrapper) at a stage of its own, so that a test acts
+    (kills CRIU) exactly there. Stages, in the order CRIU passes them:
+
+    - pre-dump:  CRIU runs its pre-dump action script: nothing is seized yet.
+    - parasite:  CRIU opens the page map of the process `arm` names: every task of the
+                 tree is seized (ptrace), and CRIU's parasite runs inside that process,
+                 reading its memory out.
+    - post-dump: CRIU runs its post-dump action script: every task is dumped and its
+                 parasite gone, and the tree is still seized.
+
+    The action stages are CRIU's own hooks (`--action-script`, which CRIU runs and waits
+    for): `attach` adds the script to the engine's extra dump arguments. `parasite` holds
+    the server's end of the streamed image (capture.py) in this process: its receiving
+    thread stops when CRIU asks for the page map, and CRIU blocks writing the pages once
+    their pipe (64 KiB) is full, before it cures the process. A process whose dumped pages
+    fit in that pipe is let go meanwhile: the test checks that the parasite is there (a
+    kernel's init dumps about 100 KiB, its Python process tens of MB).
+    """
+
+    def __init__(self, directory: Path, monkeypatch: Any):
+        from jupyter_cedana import capture
+
+        self.dir = directory
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.script = self.dir / "action-script"
+        self.script.write_text(_ACTION_SCRIPT.replace("@DIR@", shlex.quote(str(self.dir))))
+        self.script.chmod(0o755)
+        self._armed: dict[str, str] = {}  # held stage -> the image it is held at
+        self._reached: dict[str, threading.Event] = {}
+        self._release: dict[str, threading.Event] = {}
+        self._name = capture._request_name
+        monkeypatch.setattr(capture, "_request_name", self._request_name)
+
+    def attach(self, engine: CheckpointEngine) -> None:
+        """Make `engine`'s dumps run the action script (`parasite` needs its dumps
+        streamed too: CheckpointEngine.stream_dump, the default)."""
+        engine.extra_dump_args = [*engine.extra_dump_args, "--action-script", str(self.script)]
+
+    def arm(self, stage: str, pid: int | None = None) -> None:
+        """Hold the next dump at `stage`; at `parasite`, in process `pid` (as CRIU numbers
+        it: in the tree's PID namespace)."""
+        assert stage in DUMP_STAGES, stage
+        if stage in ACTION_STAGES:
+            (self.dir / f"reached-{stage}").unlink(missing_ok=True)
+            (self.dir / f"arm-{stage}").touch()
+            return
+        assert pid is not None, "in which process?"
+        self._reached[stage] = threading.Event()
+        self._release[stage] = threading.Event()
+        self._armed[stage] = f"pagemap-{pid}.img"
+
+    def _request_name(self, msg: bytes) -> str:
+        name = self._name(msg)
+        for stage, wanted in list(self._armed.items()):
+            if wanted == name:
+                del self._armed[stage]
+                self._reached[stage].set()
+                self._release[stage].wait()
+        return name
+
+    def reached(self, stage: str) -> bool:
+        if stage in ACTION_STAGES:
+            return (self.dir / f"reached-{stage}").exists()
+        return stage in self._reached and self._reached[stage].is_set()
+
+    async def wait_reached(self, stage: str, timeout: float = 120) -> None:
+        """Wait until the dump is held at `stage` (the bound only catches a stage never
+        reached: the dump failed before it)."""
+        deadline = time.monotonic() + timeout
+        while not self.reached(stage):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"criu dump never reached {stage}")
+            await asyncio.sleep(0.01)
+
+    def release(self, stage: str) -> None:
+        """Let the held dump (or what is left of it) go on."""
+        if stage in ACTION_STAGES:
+            (self.dir / f"reached-{stage}").unlink(missing_ok=True)
+            (self.dir / f"release-{stage}").touch()
+        elif stage in self._release:
+            self._release[stage].set()
+
+    def disarm(self) -> None:
+        """Release everything held and hold nothing more (test teardown)."""
+        self._armed.clear()
+        for stage in ACTION_STAGES:
+            (self.dir / f"arm-{stage}").unlink(missing_ok=True)
+            if self.reached(stage):
+                self.release(stage)
+        for event in self._release.values():
+            event.set()

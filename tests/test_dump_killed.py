@@ -1,0 +1,212 @@
+"""`criu dump` killed (SIGKILL: the OOM killer, an admin, the engine's own timeout) at
+each stage of a real dump, with its parasite inside the kernel's process included: the
+kernel runs on with its state, the suspend fails saying where CRIU stopped, nothing is
+left behind, and the next suspend and resume work."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from jupyter_cedana.errors import SuspendFailed
+from jupyter_cedana.provisioner import KernelState
+from tests.conftest import kernel_pids, run, wait_iopub
+from tests.criu_hold import DumpStages
+from tests.test_provisioner import BOOKKEEPING
+
+pytestmark = pytest.mark.criu
+
+SETUP = r"""
+import threading, time
+import numpy as np
+x = 41
+arr = np.arange(2_000_000, dtype=np.float64)  # 16 MB: its pages fill any pipe CRIU has
+ticks = [0]
+def tick():
+    while True:
+        ticks[0] += 1
+        time.sleep(0.01)
+threading.Thread(target=tick, daemon=True).start()
+"""
+
+CHECK = "before = ticks[0]; time.sleep(0.2); print(x + 1, float(arr.sum()), ticks[0] > before)"
+CHECKED = f"42 {float(sum(range(2_000_000)))} True\n"
+
+
+@pytest.fixture
+def dump_stages(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[DumpStages]:
+    stages = DumpStages(tmp_path / "dump-stages", monkeypatch)
+    yield stages
+    stages.disarm()
+
+
+def threads(root: int) -> dict[int, tuple[str, int]]:
+    """(state letter, tracer PID) of every thread of the tree rooted at `root`."""
+    out = {}
+    for pid in kernel_tree(root):
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            fields = {}
+            try:
+                with open(f"/proc/{pid}/task/{tid}/status") as f:
+                    for line in f:
+                        key, _, value = line.partition(":")
+                        fields[key] = value.split()
+            except OSError:  # a thread that ended meanwhile
+                continue
+            out[int(tid)] = (fields["State"][0], int(fields["TracerPid"][0]))
+    return out
+
+
+def kernel_tree(root: int) -> set[int]:
+    from jupyter_cedana.proctree import process_tree
+
+    return process_tree(root)
+
+
+def ns_pid(pid: int) -> int:
+    """The PID of `pid` in its own PID namespace: the one CRIU names its images by."""
+    with open(f"/proc/{pid}/status") as f:
+        return int(next(ln for ln in f if ln.startswith("NSpid:")).split()[-1])
+
+
+def parasite_in(pid: int) -> bool:
+    """Whether CRIU's parasite is mapped in `pid` (compel maps it from a memfd it names)."""
+    with open(f"/proc/{pid}/maps") as f:
+        return "/memfd:CRIUMFD" in f.read()
+
+
+def commands() -> dict[int, list[str]]:
+    out = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    out[int(entry)] = f.read().decode(errors="replace").split("\0")
+            except OSError:
+                pass
+    return out
+
+
+def criu_dumps(root: int) -> list[int]:
+    """The CRIU processes dumping the tree rooted at `root` (CRIU's forked helpers carry
+    its command line too); other tests' CRIUs run meanwhile and are left alone."""
+    return [
+        pid
+        for pid, argv in commands().items()
+        if "dump" in argv and any(a == "-t" and b == str(root) for a, b in itertools.pairwise(argv))
+    ]
+
+
+def wait_dead(pid: int, timeout: float = 30) -> None:
+    """Until `pid` has exited (a zombie, or reaped). Blocking on purpose: the engine, on
+    this event loop, must not act before the test has looked."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X"):
+                    return
+        except OSError:
+            return
+        assert time.monotonic() < deadline, f"CRIU ({pid}) outlived SIGKILL"
+        time.sleep(0.001)
+
+
+async def scripts_ended(script: Path, timeout: float = 30) -> list[int]:
+    """The processes still running `script` after up to `timeout` s (it ends once
+    released)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        left = [p for p, argv in commands().items() if any(str(script) in a for a in argv)]
+        if not left or time.monotonic() > deadline:
+            return left
+        await asyncio.sleep(0.02)
+
+
+# Where CRIU is killed: its own stages, and inside each process of the kernel's tree
+# (cedana-init, PID 1 of the kernel's PID namespace, then the Python process); streaming
+# the image to the server, or (stream_dump off) writing every file of it itself.
+WHERE = [
+    ("pre-dump", None, True),
+    ("parasite", "init", True),
+    ("parasite", "kernel", True),
+    ("post-dump", None, True),
+    ("post-dump", None, False),
+]
+
+
+@pytest.mark.parametrize(
+    "stage, inside, stream",
+    WHERE,
+    ids=[(f"{s}-in-{i}" if i else s) + ("" if st else "-unstreamed") for s, i, st in WHERE],
+)
+async def test_criu_killed_mid_dump_leaves_the_kernel_running(
+    kernel: Any,
+    checkpoint_root: Path,
+    dump_stages: DumpStages,
+    stage: str,
+    inside: str | None,
+    stream: bool,
+) -> None:
+    kc, prov = kernel.test_client, kernel.provisioner
+    reply, out = await run(kc, SETUP)
+    assert reply["status"] == "ok", out
+    init = prov.pid
+    [python] = kernel_pids(kernel) - {init}
+    prov.engine.stream_dump = stream
+    dump_stages.attach(prov.engine)
+    infected = {"init": init, "kernel": python}.get(inside or "")
+    dump_stages.arm(stage, ns_pid(infected) if infected else None)
+    suspend = asyncio.ensure_future(prov.suspend())
+    await dump_stages.wait_reached(stage)
+
+    # The dump is where the stage says.
+    [criu] = criu_dumps(init)
+    held = threads(init)
+    tracers = {tracer for _, tracer in held.values()}
+    assert tracers == ({0} if stage == "pre-dump" else {criu}), held
+    assert {p for p in (init, python) if parasite_in(p)} == ({infected} if infected else set())
+
+    os.kill(criu, signal.SIGKILL)
+    wait_dead(criu)
+    dump_stages.release(stage)
+    with pytest.raises(SuspendFailed) as info:
+        await suspend
+    message = info.value.message
+    # Where CRIU was: running the action script, or sending the pages it had read out.
+    where = "page-xfer: " if infected else f"[{dump_stages.script}]"
+    assert message.startswith(f"CRIU dump failed (killed by SIGKILL): it stopped at: {where}")
+    assert prov.state == KernelState.running and prov.reason == message
+
+    # Nothing is left: no CRIU, no action script, no partial image.
+    assert criu_dumps(init) == []
+    assert await scripts_ended(dump_stages.script) == []
+    assert [p.name for p in checkpoint_root.iterdir() if p.name not in BOOKKEEPING] == []
+
+    # The kernel runs on as before, no thread stopped or traced, its state intact.
+    assert kernel_pids(kernel) == {init, python}
+    after = threads(init)
+    assert all(state not in "tT" and tracer == 0 for state, tracer in after.values()), after
+    reply, out = await run(kc, CHECK)
+    assert reply["status"] == "ok" and out == CHECKED, out
+    # The parasite CRIU was killed in still lies mapped in the process (CRIU unmaps it as
+    # it cures the task); it returned the thread to the kernel's code on its own. The next
+    # dump takes those few pages along.
+    assert {p for p in (init, python) if parasite_in(p)} == ({infected} if infected else set())
+
+    # The next suspend and resume of the same kernel work.
+    await prov.suspend()
+    assert prov.state == KernelState.suspended
+    await prov.resume()
+    await prov.memory_loaded()
+    await wait_iopub(kc)
+    reply, out = await run(kc, CHECK)
+    assert reply["status"] == "ok" and out == CHECKED, out
