@@ -1,15 +1,25 @@
-"""Adopt on start: kernels parked by an earlier server (parking.py) become this server's
+"""Adopt on start: kernels suspended to disk by an earlier server, whether it parked them
+on a clean stop (parking.py) or was killed with them suspended, become this server's
 suspended kernels, under their old ids, with their sessions, before it serves requests.
+
+Only the records of the same uid, JupyterHub user and server name, and server identity
+(KernelParking.server_identity: by default the server's root_dir) are adopted; the others
+are left in place, each with the reason in the log.
 
 Adoption goes through jupyter_server's public path, `start_kernel(kernel_id=<old id>)`;
 cedana-provisioner's launch_kernel calls `claim_adoption`, which hands it the saved
 connection info instead of launching a process. The next message to the kernel resumes it
 from its image like any suspended kernel.
+
+The record stays while the kernel is suspended, locked by the adopting server (the
+provisioner holds the lock): another live server skips it as busy, and if this server is
+killed the lock goes with it and the next server adopts the kernel again.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime as dt
 import os
 from dataclasses import dataclass, field
@@ -23,16 +33,17 @@ from jupyter_core.utils import ensure_async
 from tornado import web
 
 from .checkpoint import CheckpointStore
-from .errors import CheckpointCorrupt, NotFound
+from .errors import CedanaError, CheckpointCorrupt, NotFound
 from .parkrecords import (
+    HeldRecord,
     RecordBusy,
     RecordInvalid,
     list_records,
-    locked_record,
     parse_record,
     remove_record,
 )
 from .policy import retention_ended
+from .timestamps import Stamp, iso
 from .transitions import KernelState
 
 PROVISIONER = "cedana-provisioner"
@@ -42,6 +53,7 @@ PROVISIONER = "cedana-provisioner"
 class _Plan:
     record: dict[str, Any]
     manifest: dict[str, Any]
+    held: HeldRecord
     claimed: bool = False
 
 
@@ -73,7 +85,7 @@ async def claim_adoption(prov: Any) -> KernelConnectionInfo | None:
             "ip": info.get("ip") or saved.get("ip"),
             "cedana_state": KernelState.suspended.value,
             "cedana_tier": "disk",
-            "cedana_reason": None,
+            "cedana_reason": _rolled_back(record, manifest),
             "cedana_suspended_at": suspended_since(record),
             "cedana_checkpoint_bytes": int(manifest.get("total_bytes") or 0),
         }
@@ -81,7 +93,20 @@ async def claim_adoption(prov: Any) -> KernelConnectionInfo | None:
     prov.process = None
     prov.cwd = record.get("cwd") or os.getcwd()
     prov._gpu_state = manifest.get("gpu")
+    prov.take_record(plan.held)  # locked for as long as this server owns the kernel
     return cast(KernelConnectionInfo, info)
+
+
+def _rolled_back(record: dict[str, Any], manifest: dict[str, Any]) -> str | None:
+    """What a kernel whose server died while its memory was coming back lost, if so."""
+    resumed = record.get("resumed_at")
+    if resumed is None:
+        return None
+    return (
+        f"Its server stopped while the kernel was being resumed (at {iso(float(resumed))}): "
+        f"it is back as it was at its checkpoint taken at {iso(manifest.get('created'))}, "
+        "and what it did after that resume is lost."
+    )
 
 
 def suspended_since(record: dict[str, Any]) -> float | None:
@@ -110,6 +135,7 @@ class Adopter:
         verify_bytes: int,
         log: Any,
         replies: Any = None,
+        identity: str | None = None,
     ):
         self.mkm = kernel_manager
         self.sessions = session_manager
@@ -118,6 +144,7 @@ class Adopter:
         self.verify_bytes = verify_bytes
         self._verify: set[str] = set()
         self.replies = replies  # the gate's ReplyCache, seeded from each record
+        self.identity = identity  # KernelParking.server_identity, resolved
         self.log = log
 
     async def adopt_all(self) -> AdoptionReport:
@@ -147,7 +174,7 @@ class Adopter:
         except (OSError, RecordInvalid):
             return False
         return self._foreign(record) is None and not retention_ended(
-            self.retention, suspended_since(record)
+            self.retention, self._retention_since(record)
         )
 
     def _plan_verification(self, kids: list[str]) -> None:
@@ -174,21 +201,31 @@ class Adopter:
         """Adopt the kernel of one record; None when adopted, else why not (logged)."""
         kid = path.name[: -len(".json")]
         try:
-            with locked_record(path) as (_fd, text):
-                return await self._adopt_locked(path, kid, text)
+            held, text = HeldRecord.acquire(path)
         except RecordBusy as e:
-            return self._skip(kid, f"{e} (it is adopting this kernel)", level="info")
+            return self._skip(kid, f"{e} (a live server owns this kernel)", level="info")
         except FileNotFoundError:
-            return self._skip(kid, "its record went away (adopted by another server)", "info")
+            gone = "its record went away (its kernel was resumed or shut down)"
+            return self._skip(kid, gone, "info")
+        why: str | None
+        try:
+            why = await self._adopt_locked(path, kid, text, held)
         except Exception as e:
+            why = f"adoption failed: {e}"
             self.log.exception("jupyter-cedana: adopting parked kernel %s failed", kid)
-            return f"adoption failed: {e}"
+        if why is not None and not (kid in self.mkm and self._owns(kid, held)):
+            held.release()
+        return why
+
+    def _owns(self, kid: str, held: HeldRecord) -> bool:
+        prov = getattr(self.mkm.get_kernel(kid), "provisioner", None)
+        return getattr(prov, "held_record", None) is held
 
     def _skip(self, kid: str, why: str, level: str = "warning") -> str:
         getattr(self.log, level)("jupyter-cedana: parked kernel %s not adopted: %s", kid, why)
         return why
 
-    async def _adopt_locked(self, path: Path, kid: str, text: str) -> str | None:
+    async def _adopt_locked(self, path: Path, kid: str, text: str, held: HeldRecord) -> str | None:
         try:
             record = parse_record(path, text)
         except RecordInvalid as e:
@@ -198,7 +235,7 @@ class Adopter:
             return self._skip(kid, f"{why}; left in place", level="info")
         if kid in self.mkm:
             return self._skip(kid, "a kernel with this id is already running here")
-        if retention_ended(self.retention, suspended_since(record)):
+        if retention_ended(self.retention, self._retention_since(record)):
             self.store.remove(kid)
             remove_record(path)
             return self._skip(
@@ -218,12 +255,23 @@ class Adopter:
             )
         except CheckpointCorrupt as e:
             return self._skip(kid, f"{e.message}; left for 'jupyter cedana gc'")
-        await self._start(kid, record, manifest)
-        remove_record(path)
+        await self._start(kid, record, manifest, held)
         return None
 
+    def _retention_since(self, record: dict[str, Any]) -> Stamp | float | None:
+        """When the kernel's retention began: its image's making, on the boot clock
+        where its manifest says (a wall clock set forward ends nothing), else the
+        record's wall-clock time."""
+        with contextlib.suppress(CedanaError, OSError, ValueError):
+            made = self.store.read_manifest(str(record["kernel_id"])).get("created_clock")
+            found = Stamp.from_json(made)
+            if found is not None:
+                return found
+        return suspended_since(record)
+
     def _foreign(self, record: dict[str, Any]) -> str | None:
-        """Why a record belongs to someone else (another uid, Hub user or named server)."""
+        """Why a record belongs to someone else (another uid, Hub user or named server,
+        or another server identity: e.g. a server of the same user in another directory)."""
         if record.get("uid") != os.geteuid():
             return f"it was parked by uid {record.get('uid')}, this server runs as {os.geteuid()}"
         user = os.environ.get("JUPYTERHUB_USER") or None
@@ -232,6 +280,13 @@ class Adopter:
         name = os.environ.get("JUPYTERHUB_SERVER_NAME") or ""
         if (record.get("hub_server_name") or "") != name:
             return f"it belongs to named server {record.get('hub_server_name')!r}, not {name!r}"
+        # Records written before identities were recorded have none: any server adopts them.
+        theirs = record.get("identity")
+        if "identity" in record and theirs != self.identity:
+            return (
+                f"it belongs to the server with identity {theirs!r}, not this one "
+                f"({self.identity!r}; KernelParking.server_identity, by default the root_dir)"
+            )
         return None
 
     async def _spec_problem(self, name: str) -> str | None:
@@ -252,7 +307,9 @@ class Adopter:
             return await asyncio.to_thread(self.store.verify, kid)
         return self.store.check_sizes(kid)
 
-    async def _start(self, kid: str, record: dict[str, Any], manifest: dict[str, Any]) -> None:
+    async def _start(
+        self, kid: str, record: dict[str, Any], manifest: dict[str, Any], held: HeldRecord
+    ) -> None:
         kwargs: dict[str, Any] = {}
         cwd = record.get("cwd")
         if cwd and os.path.isdir(cwd):
@@ -260,7 +317,7 @@ class Adopter:
         sessions = [s for s in record.get("sessions") or [] if s.get("id") and s.get("path")]
         if sessions and hasattr(self.sessions, "get_kernel_env"):
             kwargs["env"] = self.sessions.get_kernel_env(sessions[0]["path"])
-        plan = _PLANS[kid] = _Plan(record, manifest)
+        plan = _PLANS[kid] = _Plan(record, manifest, held)
         try:
             await self.mkm.start_kernel(
                 kernel_id=kid, kernel_name=str(record["kernel_name"]), **kwargs

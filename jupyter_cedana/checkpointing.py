@@ -1,5 +1,11 @@
 """Suspend of a kernel: GPU offload, CRIU dump into the store, the durable commit of
-the image, and the rollbacks when any step fails (restoring.py: the way back).
+the image with the kernel's record, and the rollbacks when any step fails (restoring.py:
+the way back).
+
+The record (parkrecords.py: what the next server needs to adopt the kernel) is written
+before the image is committed, while the kernel is still frozen: a record that cannot be
+written fails the suspend and the kernel runs on, so no image is ever committed that a
+server killed right after could not give back.
 
 Mixed into CedanaProvisioner, whose process, pid and ports it acts on; every state
 change goes through the transition machine (transitions.py).
@@ -30,6 +36,13 @@ from .transitions import KernelState
 
 class Checkpointing(Restoring):
     """suspend() of the provisioner's kernel."""
+
+    # Implemented by the provisioner (the record holds its connection and ports).
+    async def record(self, suspended_at: float | None = None) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def hold_record(self, record: dict[str, Any]) -> Any:
+        raise NotImplementedError
 
     async def suspend(self, tier: str = "disk") -> dict[str, Any]:
         """Checkpoint the kernel (process tree and GPU memory) and free its resources."""
@@ -167,11 +180,15 @@ class Checkpointing(Restoring):
         store = engine.store
         kid = self.kernel_id_str
         t_dumped = time.monotonic()
+        committed = False
         try:
             self._set_progress("verify", None, None)
             pid, ports, spec = self.pid or 0, self._ports(), self._spec_name()
+            suspended_at = time.time()
+            record = await self.record(suspended_at=suspended_at)
 
             def commit() -> dict[str, Any]:
+                nonlocal committed
                 # In a thread, /proc and image reads included: the kernel is frozen.
                 try:  # before the checksums: the page maps may change
                     marked = mark_lazy(tmp)
@@ -180,7 +197,15 @@ class Checkpointing(Restoring):
                     # may read more before the kernel runs): no reason to fail the suspend.
                     self.log.warning("Kernel %s: lazy marks left as CRIU wrote them: %s", kid, e)
                     marked = 0
-                return store.commit(
+                try:
+                    self.hold_record(record)
+                except OSError as e:
+                    raise SuspendFailed(
+                        f"Suspend of kernel {kid} failed: its record (what a server started "
+                        f"after a crash needs to give the kernel back) could not be written: "
+                        f"{e}; the kernel keeps running"
+                    ) from e
+                manifest = store.commit(
                     kid,
                     tmp,
                     {
@@ -196,10 +221,17 @@ class Checkpointing(Restoring):
                     },
                     dumped.sums,
                 )
+                committed = True
+                return manifest
 
             manifest = await asyncio.to_thread(commit)
         except BaseException as e:
+            if not committed:
+                self._drop_record()  # no image was committed: a record would promise one
             await self._undo_dump(e, tmp, pids, gpu, gpu_state if not from_offload else None)
+            self.log.error("%s", getattr(e, "message", None) or e)
+            if isinstance(e, SuspendFailed):
+                raise
             raise SuspendFailed(f"Suspend of kernel {kid} failed: {e}") from e
         # The image is safe on disk: only now does the kernel's memory go.
         t_commit = time.monotonic()
@@ -220,7 +252,7 @@ class Checkpointing(Restoring):
         self._reserve_ports()
         self._gpu_state = gpu_state
         self.tier = "disk"
-        self.suspended_at = time.time()
+        self.suspended_at = suspended_at
         self.last_suspend_seconds = time.monotonic() - t0
         self.checkpoint_bytes = int(manifest["total_bytes"])
         self.gpu_memory_freed = int((gpu_state or {}).get("bytes_freed", 0))

@@ -1,16 +1,21 @@
 """Park on stop, adopt on start: kernels outlive their server.
 
-When the server stops (SIGTERM, SIGINT with or without a terminal, /api/shutdown, a
-JupyterHub stop or cull), every kernel under cedana-provisioner is checkpointed to disk
-instead of killed: running kernels are dumped, GPU-offloaded ones go to disk, suspended
-ones keep their image. A record of each (parkrecords.py) says what adoption needs; then
-the kernel is detached from the server, so the normal kernel shutdown neither kills
-anything nor deletes its image. A kernel that cannot be parked within the deadline is
-shut down as before, with the reason in the log.
+Every kernel suspended to disk has a record (parkrecords.py: what adoption needs) from
+before its image is committed until it is resumed or shut down, so suspended kernels
+survive any end of their server, SIGKILL and reboots included. When the server stops
+politely (SIGTERM, SIGINT with or without a terminal, /api/shutdown, a JupyterHub stop or
+cull), every other kernel under cedana-provisioner is checkpointed to disk too, instead
+of killed: running kernels are dumped (their disk reserved in the checkpoint budget as
+the policy's suspends do), GPU-offloaded ones go to disk, suspended ones keep their image
+and get their record brought up to date (sessions, replies). Then the kernel is detached
+from the server, so the normal kernel shutdown neither kills anything nor deletes its
+image. A kernel that cannot be parked within the deadline is shut down as before, with
+the reason in the log; a committed image is never deleted because its record could not
+be written.
 
-The next server on the same checkpoint root adopts every valid record before it serves
-requests (adoption.py): the kernel is listed under its old id, suspended, with its
-sessions, and the next message resumes it.
+The next server on the same checkpoint root, with the same identity (by default the same
+root_dir), adopts every valid record before it serves requests (adoption.py): the kernel
+is listed under its old id, suspended, with its sessions, and the next message resumes it.
 """
 
 from __future__ import annotations
@@ -19,23 +24,18 @@ import asyncio
 import contextlib
 import os
 import signal
-import socket
 import time
 from typing import Any
 
 from traitlets import Any as AnyTrait
-from traitlets import Bool, Float, Integer
+from traitlets import Bool, Float, Integer, Unicode
 from traitlets.config import LoggingConfigurable
 
 from .adoption import PROVISIONER, Adopter
 from .dumping import tree_rss
 from .errors import CedanaError, Conflict, SuspendFailed
-from .parkrecords import (
-    RECORD_FORMAT,
-    ParkingLock,
-    wait_for_parkers,
-    write_record,
-)
+from .limits import estimate_image_bytes, gpu_bytes
+from .parkrecords import ParkingLock, set_server_facts, wait_for_parkers
 from .provisioner import CedanaProvisioner, KernelState
 
 __all__ = ["KernelParking"]
@@ -75,8 +75,9 @@ class KernelParking(LoggingConfigurable):
     adopt_on_start = Bool(
         True,
         help="On start, before serving requests, adopt the kernels that an earlier server "
-        "of the same uid (and JupyterHub user and server name) parked in the checkpoint "
-        "root: they are listed under their old ids, suspended, with their sessions.",
+        "of the same uid, JupyterHub user and server name, and server_identity left "
+        "suspended in the checkpoint root (parked when it stopped, or suspended when it "
+        "was killed): they are listed under their old ids, suspended, with their sessions.",
     ).tag(config=True)
 
     adopt_verify_bytes = Integer(
@@ -87,6 +88,17 @@ class KernelParking(LoggingConfigurable):
         "loaded disk read 10 GB in 30-57 s in the benchmark. Larger images get their "
         "sizes checked and their checksums verified by their resume, as every resume "
         "does (a damaged one then fails it: state failed, image kept). -1: no limit.",
+    ).tag(config=True)
+
+    server_identity = Unicode(
+        "",
+        help="What a kernel's record says of the server that suspended or parked it; a "
+        "starting server adopts only the kernels recorded with its own identity (and its "
+        "uid, JupyterHub user and server name), and logs why it leaves the others. Empty: "
+        "the server's root_dir, so that a server of the same user started in another "
+        "directory, sharing the default checkpoint root, does not take this one's kernels. "
+        "Set the same value on servers that should adopt each other's kernels from "
+        "different directories.",
     ).tag(config=True)
 
     wait_for_parking = Float(
@@ -108,6 +120,8 @@ class KernelParking(LoggingConfigurable):
     def __init__(self, **kwargs: Any):
         super().__init__(**kwargs)
         self._adoption: asyncio.Task[None] | None = None
+        self.identity: str | None = self.server_identity or None
+        set_server_facts(self._server_facts)
 
     @property
     def _mkm(self) -> Any:
@@ -122,7 +136,11 @@ class KernelParking(LoggingConfigurable):
     def install(self, serverapp: Any) -> None:
         """Take over the stop signals and hold the HTTP server back until adoption is done."""
         self._serverapp = serverapp
+        if not self.server_identity:
+            root = getattr(serverapp, "root_dir", None)
+            self.identity = os.path.realpath(os.path.expanduser(root)) if root else None
         self._install_stop_signals(serverapp)
+        self._watch_sessions(getattr(serverapp, "session_manager", None))
         bind = getattr(serverapp, "_bind_http_server", None)
         if bind is not None and self.adopt_on_start:
 
@@ -168,6 +186,74 @@ class KernelParking(LoggingConfigurable):
                 "parent); SIGTERM stops it and parks its kernels"
             )
 
+    def _watch_sessions(self, sm: Any) -> None:
+        """A suspended kernel's record follows its sessions (a notebook renamed or opened
+        on it while it is suspended), so that a server started after a crash puts each
+        notebook back on its kernel."""
+        if sm is None:
+            return
+        save, update, delete = sm.save_session, sm.update_session, sm.delete_session
+
+        async def kernel_of(session_id: Any) -> str | None:
+            try:
+                model = await sm.get_session(session_id=session_id)
+            except Exception:
+                return None
+            return (model.get("kernel") or {}).get("id")
+
+        async def save_session(session_id: Any, *args: Any, **kwargs: Any) -> Any:
+            model = await save(session_id, *args, **kwargs)
+            await self._sessions_changed((model.get("kernel") or {}).get("id"))
+            return model
+
+        async def update_session(session_id: Any, **kwargs: Any) -> Any:
+            before = await kernel_of(session_id)
+            result = await update(session_id, **kwargs)
+            for kid in {before, await kernel_of(session_id)}:
+                await self._sessions_changed(kid)
+            return result
+
+        async def delete_session(session_id: Any) -> Any:
+            before = await kernel_of(session_id)
+            result = await delete(session_id)
+            await self._sessions_changed(before)
+            return result
+
+        sm.save_session = save_session
+        sm.update_session = update_session
+        sm.delete_session = delete_session
+
+    async def _sessions_changed(self, kid: str | None) -> None:
+        adopting = self._adoption is None or not self._adoption.done()
+        if kid is None or (self.adopt_on_start and adopting):
+            return  # adoption puts back the sessions its records hold
+        with contextlib.suppress(KeyError):
+            prov = getattr(self._mkm.get_kernel(kid), "provisioner", None)
+            if isinstance(prov, CedanaProvisioner):
+                # Before the session's change is answered: the record says what the
+                # client was told.
+                await self._refresh_record(kid, prov)
+
+    async def _refresh_record(self, kid: str, prov: CedanaProvisioner) -> None:
+        if prov.held_record is None or prov.state not in (
+            KernelState.suspended,
+            KernelState.failed,
+        ):
+            return  # e.g. running while a lazy restore's pages come in
+        try:
+            record = await prov.record()
+            # On the event loop, not in a thread: no resume (which drops the record) or
+            # suspend (which writes it) can run in between; the file is small.
+            at_rest = prov.state in (KernelState.suspended, KernelState.failed)
+            if prov.held_record is not None and at_rest and prov.transition_in_flight is None:
+                prov.hold_record(record)
+        except Exception as e:
+            self.log.warning(
+                "jupyter-cedana: kernel %s: its record could not be updated with its sessions: %s",
+                kid,
+                e,
+            )
+
     # -- adopt on start -------------------------------------------------------------------
 
     async def adopt(self) -> None:
@@ -196,6 +282,7 @@ class KernelParking(LoggingConfigurable):
                 retention=self.manager.policy.retention,
                 verify_bytes=self.adopt_verify_bytes,
                 replies=self.replies,
+                identity=self.identity,
                 log=self.log,
             )
             report = await adopter.adopt_all()
@@ -204,9 +291,10 @@ class KernelParking(LoggingConfigurable):
             return
         if report.adopted or report.skipped:
             self.log.info(
-                "jupyter-cedana: adopted %d parked kernel(s), %d not adopted",
+                "jupyter-cedana: adopted %d suspended kernel(s), %d not adopted%s",
                 len(report.adopted),
                 len(report.skipped),
+                "".join(f"\n  {kid}: {why}" for kid, why in sorted(report.skipped.items())),
             )
 
     def _serverapp_or_none(self) -> Any:
@@ -241,14 +329,11 @@ class KernelParking(LoggingConfigurable):
         )
         lock = ParkingLock(self._store)
         try:
-            sessions = await self._sessions_by_kernel()
             candidates.sort(key=lambda c: self._dump_cost(c[0], c[2]))
             slots = asyncio.Semaphore(max(1, self.concurrency))
             recording: set[str] = set()
             tasks = {
-                kid: asyncio.ensure_future(
-                    self._park_one(kid, km, prov, sessions.get(kid, []), slots, recording)
-                )
+                kid: asyncio.ensure_future(self._park_one(kid, km, prov, slots, recording))
                 for kid, km, prov in candidates
             }
             await asyncio.wait(tasks.values(), timeout=self.deadline)
@@ -269,7 +354,7 @@ class KernelParking(LoggingConfigurable):
         finally:
             lock.release()
         for kid, what in outcome.items():
-            if what != "parked":
+            if what not in ("parked", _IMAGE_KEPT):
                 self.log.warning(
                     "jupyter-cedana: kernel %s not parked (%s): it is shut down", kid, what
                 )
@@ -281,30 +366,35 @@ class KernelParking(LoggingConfigurable):
         )
         return outcome
 
-    async def _sessions_by_kernel(self) -> dict[str, list[dict[str, Any]]]:
+    async def _server_facts(self, kid: str) -> dict[str, Any]:
+        """This server's part of a kernel's record (parkrecords.server_facts)."""
+        return {
+            "identity": self.identity,
+            "sessions": await self._sessions_of(kid),
+            # What the kernel answered (kernel_info, comms): not secret, kept for its clients.
+            "replies": self.replies.saved(kid) if self.replies is not None else None,
+        }
+
+    async def _sessions_of(self, kid: str) -> list[dict[str, Any]]:
         sm = getattr(self._serverapp_or_none(), "session_manager", None)
-        found: dict[str, list[dict[str, Any]]] = {}
         if sm is None:
-            return found
+            return []
         try:
             models = await sm.list_sessions()
         except Exception:
-            self.log.exception("jupyter-cedana: could not list sessions to park with kernels")
-            return found
-        for m in models:
-            kid = (m.get("kernel") or {}).get("id")
-            if kid:
-                found.setdefault(kid, []).append(
-                    {k: m.get(k) for k in ("id", "path", "name", "type")}
-                )
-        return found
+            self.log.exception("jupyter-cedana: could not list sessions to record with kernels")
+            return []
+        return [
+            {k: m.get(k) for k in ("id", "path", "name", "type")}
+            for m in models
+            if (m.get("kernel") or {}).get("id") == kid
+        ]
 
     async def _park_one(
         self,
         kid: str,
         km: Any,
         prov: CedanaProvisioner,
-        sessions: list[dict[str, Any]],
         slots: asyncio.Semaphore,
         recording: set[str],
     ) -> str:
@@ -312,16 +402,17 @@ class KernelParking(LoggingConfigurable):
         try:
             if not self._on_disk(kid, prov):
                 async with slots:
-                    await self._to_disk(kid, prov)
+                    await self._to_disk(kid, km, prov)
         except asyncio.CancelledError:
             if not self._on_disk(kid, prov):
                 raise
             # The deadline came just as the image was committed: park it all the same.
         # The kernel's only copy is its image now: no cancelling from here on.
         recording.add(kid)
-        record = await self._record(kid, km, prov, sessions)
-        await asyncio.to_thread(write_record, self._store, record)
+        kept = await self._update_record(kid, prov)
         self._detach(kid, km, prov)
+        if not kept:
+            return _IMAGE_KEPT
         self.log.info(
             "jupyter-cedana: parked kernel %s (%.1f MB image) in %.2f s",
             kid,
@@ -329,6 +420,36 @@ class KernelParking(LoggingConfigurable):
             time.monotonic() - t0,
         )
         return "parked"
+
+    async def _update_record(self, kid: str, prov: CedanaProvisioner) -> bool:
+        """Bring the record of a kernel on disk up to date (sessions, replies, last
+        activity); False when it has no record and none could be written (its image is
+        kept all the same). Never a reason to delete the image."""
+        try:
+            record = await prov.record()
+            await asyncio.to_thread(prov.hold_record, record)
+            return True
+        except Exception as e:
+            error = e
+        image = self._store.path(kid)
+        if prov.held_record is not None:
+            self.log.warning(
+                "jupyter-cedana: kernel %s: its record could not be brought up to date (%s); "
+                "it is parked with the record written when it was suspended (sessions and "
+                "replies as they were then)",
+                kid,
+                error,
+            )
+            return True
+        why = (
+            f"its image is kept at {image}, but its record could not be written ({error}): "
+            "no server can adopt it; free space on the checkpoint disk and see "
+            "'jupyter cedana gc' for the image"
+        )
+        self.log.error("jupyter-cedana: kernel %s not parked: %s", kid, why)
+        with contextlib.suppress(Exception):
+            prov._set_state(prov.state, reason=why)
+        return False
 
     def _dump_cost(self, kid: str, prov: CedanaProvisioner) -> int:
         """Bytes a kernel's parking must write: none for an image already on disk."""
@@ -344,44 +465,28 @@ class KernelParking(LoggingConfigurable):
         )
         return at_rest and prov.transition_in_flight is None and self._store.exists(kid)
 
-    async def _to_disk(self, kid: str, prov: CedanaProvisioner) -> None:
-        """Dump a running or GPU-offloaded kernel into a committed image."""
+    async def _to_disk(self, kid: str, km: Any, prov: CedanaProvisioner) -> None:
+        """Dump a running or GPU-offloaded kernel into a committed image, its disk
+        reserved first in the checkpoint budget as the policy's suspends do (a suspend in
+        flight reserved its own)."""
+        manager = self.manager
+        manager.provisioner_of(km)  # the budget's check of the image before its commit
+        reserve = prov.transition_in_flight is None
+        if reserve:
+            pid = prov.pid or 0
+            manager.budget.reserve(
+                kid, estimate_image_bytes(pid, gpu_bytes(pid, manager.gpu_monitor, 0))
+            )
         try:
             await prov.suspend("disk")  # waits for a transition in flight first
         except Conflict:
             if not self._on_disk(kid, prov):
                 raise
+        finally:
+            if reserve:
+                manager.budget.release(kid)
         if not self._on_disk(kid, prov):
             raise SuspendFailed(f"kernel {kid} has no image after its suspend ({prov.state})")
-
-    async def _record(
-        self, kid: str, km: Any, prov: CedanaProvisioner, sessions: list[dict[str, Any]]
-    ) -> dict[str, Any]:
-        info = dict(km.get_connection_info())
-        key = info.get("key", b"")
-        info["key"] = key.decode() if isinstance(key, bytes) else str(key)
-        last = getattr(km, "last_activity", None)
-        provisioner = await prov.get_provisioner_info()
-        provisioner.pop("connection_info", None)  # saved once, above, with the key as text
-        return {
-            "format": RECORD_FORMAT,
-            "kernel_id": kid,
-            "kernel_name": km.kernel_name,
-            "connection_info": info,
-            "provisioner": {"name": PROVISIONER, **provisioner},
-            "uid": os.geteuid(),
-            "hub_user": os.environ.get("JUPYTERHUB_USER") or None,
-            "hub_server_name": os.environ.get("JUPYTERHUB_SERVER_NAME") or None,
-            "last_activity": last.isoformat() if last is not None else None,
-            "execution_state": getattr(km, "execution_state", None),
-            "cwd": str(prov.cwd) if getattr(prov, "cwd", None) else None,
-            "sessions": sessions,
-            # What the kernel answered (kernel_info, comms): not secret, kept for its clients.
-            "replies": self.replies.saved(kid) if self.replies is not None else None,
-            "parked_at": time.time(),
-            "server_pid": os.getpid(),
-            "host": socket.gethostname(),
-        }
 
     def _detach(self, kid: str, km: Any, prov: CedanaProvisioner) -> None:
         """Take a parked kernel out of the server, so that the shutdown of the remaining
@@ -395,3 +500,7 @@ class KernelParking(LoggingConfigurable):
         with contextlib.suppress(Exception):
             km.cleanup_connection_file()
         prov._release_ports()
+        prov.release_record()  # for the next server to take
+
+
+_IMAGE_KEPT = "image kept, no record"

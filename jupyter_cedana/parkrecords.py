@@ -1,6 +1,16 @@
-"""Records of parked kernels: one JSON file per kernel under `<checkpoint root>/.parked/`,
-written atomically and durably, and the file locks that keep two servers from adopting
-the same kernel or adopting while another server is still parking.
+"""Records of suspended kernels: one JSON file per kernel under
+`<checkpoint root>/.parked/`, written atomically and durably, and the file locks that keep
+two servers from adopting the same kernel or adopting while another server is still parking.
+
+A kernel's record is written with its image, before the image is committed, and kept
+while the kernel is suspended (by this server, parked, or adopted by the next one); it
+goes when the kernel is resumed and its image dropped, or shut down. So whatever way a
+server ends (a clean stop, SIGKILL, a reboot), the next server on the same checkpoint
+root finds every suspended kernel's record and adopts it.
+
+The server that owns a suspended kernel holds an exclusive flock on its record
+(`HeldRecord`) for as long as it does: another live server on the same root skips it as
+busy, and the lock of a server that died is released with its file descriptors.
 
 A record holds the kernel's HMAC key: files are 0600 in a 0700 directory, like images.
 """
@@ -14,8 +24,9 @@ import fcntl
 import json
 import os
 import re
+import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +73,35 @@ def write_record(store: CheckpointStore, record: dict[str, Any]) -> Path:
     return final
 
 
+# What a record says of the server that owns its kernel, beyond what the provisioner knows:
+# the server's identity (adoption matches it), the kernel's sessions, the gate's replies.
+# Set by the server's KernelParking; a provisioner outside such a server records none.
+ServerFacts = Callable[[str], Awaitable[dict[str, Any]]]
+_server_facts: ServerFacts | None = None
+
+
+def set_server_facts(facts: ServerFacts | None) -> None:
+    global _server_facts
+    _server_facts = facts
+
+
+async def server_facts(kernel_id: str) -> dict[str, Any]:
+    """The parts of a kernel's record that come from its server, not its provisioner."""
+    facts: dict[str, Any] = {
+        "uid": os.geteuid(),
+        "hub_user": os.environ.get("JUPYTERHUB_USER") or None,
+        "hub_server_name": os.environ.get("JUPYTERHUB_SERVER_NAME") or None,
+        "identity": None,
+        "sessions": [],
+        "replies": None,
+        "server_pid": os.getpid(),
+        "host": socket.gethostname(),
+    }
+    if _server_facts is not None:
+        facts.update(await _server_facts(kernel_id))
+    return facts
+
+
 def parse_record(path: Path, text: str) -> dict[str, Any]:
     """The record's content, or RecordInvalid with the reason."""
     try:
@@ -90,35 +130,124 @@ def list_records(store: CheckpointStore) -> list[Path]:
 def locked_record(path: Path) -> Iterator[tuple[int, str]]:
     """Hold an exclusive lock on a record for as long as the block runs; yields the open
     descriptor and the record's text. RecordBusy when another process holds it;
-    FileNotFoundError when it is gone (e.g. adopted and removed by another server)."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    FileNotFoundError when it is gone (e.g. its kernel was resumed and it was removed)."""
+    held, text = HeldRecord.acquire(path)
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as e:
-            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
-                raise RecordBusy(f"record {path.name} is locked by another server") from None
-            raise
-        # The lock is on the inode: a server that adopted the kernel unlinks the record
-        # before it unlocks, so a lock won on an unlinked or replaced file means nothing.
-        st = os.fstat(fd)
-        try:
-            now = os.stat(path, follow_symlinks=False)
-        except FileNotFoundError:
-            raise FileNotFoundError(path) from None
-        if st.st_nlink == 0 or (st.st_ino, st.st_dev) != (now.st_ino, now.st_dev):
-            raise FileNotFoundError(path)
-        with os.fdopen(os.dup(fd), "r") as f:
-            text = f.read()
-        yield fd, text
+        yield held.fd, text
     finally:
-        os.close(fd)
+        held.release()
 
 
 def remove_record(path: Path) -> None:
     path.unlink(missing_ok=True)
     with contextlib.suppress(OSError):
         fsync_path(path.parent, directory=True)
+
+
+class HeldRecord:
+    """A record and the exclusive lock on it that its owner (the server whose suspended
+    kernel it describes) holds for as long as it owns the kernel.
+
+    The lock is on the inode: every write makes a new file, locked before it is renamed
+    over the old one, and a removal unlinks the file before it unlocks; so a lock won on
+    an unlinked or replaced file means nothing (`acquire` says FileNotFoundError)."""
+
+    def __init__(self, path: Path, fd: int):
+        self.path = path
+        self._fd: int | None = fd
+
+    @property
+    def fd(self) -> int:
+        assert self._fd is not None, "record released"
+        return self._fd
+
+    @property
+    def held(self) -> bool:
+        return self._fd is not None
+
+    @classmethod
+    def acquire(cls, path: Path) -> tuple[HeldRecord, str]:
+        """Lock an existing record; returns it and its text. RecordBusy when another
+        process holds it; FileNotFoundError when it is gone."""
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as e:
+                if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                    raise RecordBusy(f"record {path.name} is locked by another server") from None
+                raise
+            st = os.fstat(fd)
+            try:
+                now = os.stat(path, follow_symlinks=False)
+            except FileNotFoundError:
+                raise FileNotFoundError(path) from None
+            if st.st_nlink == 0 or (st.st_ino, st.st_dev) != (now.st_ino, now.st_dev):
+                raise FileNotFoundError(path)
+            with os.fdopen(os.dup(fd), "r") as f:
+                text = f.read()
+        except BaseException:
+            os.close(fd)
+            raise
+        return cls(path, fd), text
+
+    @classmethod
+    def create(cls, store: CheckpointStore, record: dict[str, Any]) -> HeldRecord:
+        """Write a new record durably, locked from before anyone can see it; replaces a
+        record of the same kernel (e.g. one its owner died holding)."""
+        kid = validate_kernel_id(record["kernel_id"])
+        path = records_dir(store, create=True) / f"{kid}.json"
+        held = cls(path, _write_locked(path, record))
+        try:
+            fsync_path(path.parent, directory=True)
+        except BaseException:
+            held.remove()  # not known to be durable: not a record to count on
+            raise
+        return held
+
+    def replace(self, record: dict[str, Any]) -> None:
+        """Write new content (e.g. the kernel's sessions changed); the lock stays held.
+        On failure the previous content stays, whole, or the new one is in place."""
+        fd = _write_locked(self.path, record)
+        old, self._fd = self._fd, fd
+        if old is not None:
+            os.close(old)
+        fsync_path(self.path.parent, directory=True)
+
+    def remove(self) -> None:
+        """The kernel is gone from its image (resumed, shut down): delete the record."""
+        if self._fd is None:
+            return
+        with contextlib.suppress(OSError):
+            if os.fstat(self._fd).st_ino == os.stat(self.path, follow_symlinks=False).st_ino:
+                remove_record(self.path)
+        self.release()
+
+    def release(self) -> None:
+        """Keep the record, give up the lock (e.g. parked: the next server takes it)."""
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+def _write_locked(final: Path, record: dict[str, Any]) -> int:
+    """Write JSON under a temporary name, lock and fsync it, rename it over `final`;
+    returns the locked descriptor (the caller fsyncs the directory)."""
+    tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}-{time.monotonic_ns()}")
+    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        view = memoryview(json.dumps(record, indent=1).encode())
+        while view:
+            view = view[os.write(fd, view) :]
+        os.fsync(fd)
+        os.rename(tmp, final)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        os.close(fd)
+        raise
+    return fd
 
 
 class ParkingLock:

@@ -3,12 +3,18 @@ resumes them (the procedures are in checkpointing.py, the state machine in trans
 
 While a kernel is suspended it has no process, yet `poll()` says it is alive: the kernel
 restarter would otherwise start a fresh kernel over the user's work.
+
+A kernel suspended to disk has a record (parkrecords.py) from before its image is
+committed until the image goes (resumed, shut down): the provisioner holds it, locked, so
+that whatever way this server ends, the next one on the same checkpoint root adopts it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime as dt
+import json
 import os
 import signal
 import socket
@@ -25,6 +31,7 @@ from .adoption import claim_adoption
 from .checkpointing import Checkpointing
 from .errors import Conflict
 from .launch import check_executable, ipykernel_options, output_tail
+from .parkrecords import RECORD_FORMAT, HeldRecord, server_facts
 from .pids import KernelPids
 from .proctree import process_tree
 from .transitions import KernelState, Listener, Progress, TransitionMachine
@@ -44,6 +51,7 @@ class CedanaProvisioner(Checkpointing, TransitionMachine, LocalProvisioner):  # 
         self._gpu_state: dict[str, Any] | None = None
         self._chores: set[asyncio.Future[Any]] = set()
         self._exit_told: Any = None  # the process whose exit was logged
+        self._record: HeldRecord | None = None  # while suspended to disk (or failed with it)
 
     # -- plumbing -------------------------------------------------------------------------
 
@@ -237,6 +245,7 @@ class CedanaProvisioner(Checkpointing, TransitionMachine, LocalProvisioner):  # 
                 with contextlib.suppress(Exception):
                     self.process.wait(10)
         self.engine.store.remove(self.kernel_id_str)
+        self._drop_record()
         self._release_ports()
         self.process = None
         self._gpu_state = None
@@ -254,6 +263,7 @@ class CedanaProvisioner(Checkpointing, TransitionMachine, LocalProvisioner):  # 
             store = self.engine.store
             with contextlib.suppress(Exception):
                 store.remove(self.kernel_id_str)
+            self._drop_record()
         # An image being deleted in the background (after a resume) is not left half gone
         # by a server that stops right after.
         await asyncio.gather(*self._chores, return_exceptions=True)
@@ -279,6 +289,84 @@ class CedanaProvisioner(Checkpointing, TransitionMachine, LocalProvisioner):  # 
         self.checkpoint_bytes = provisioner_info.get("cedana_checkpoint_bytes", 0)
         if self.state == KernelState.suspended:
             self._reserve_ports()
+
+    # -- the record of a suspended kernel --------------------------------------------------
+
+    async def record(self, suspended_at: float | None = None) -> dict[str, Any]:
+        """What the next server needs to adopt this kernel (parkrecords.py)."""
+        km = self.parent
+        info = dict(km.get_connection_info() if km is not None else self.connection_info)
+        key = info.get("key", b"")
+        info["key"] = key.decode() if isinstance(key, bytes) else str(key)
+        provisioner = await self.get_provisioner_info()
+        provisioner.pop("connection_info", None)  # saved once, above, with the key as text
+        if suspended_at is not None:
+            provisioner["cedana_suspended_at"] = suspended_at
+        last = getattr(km, "last_activity", None)
+        facts = await server_facts(self.kernel_id_str)
+        return {
+            "format": RECORD_FORMAT,
+            "kernel_id": self.kernel_id_str,
+            "kernel_name": self._spec_name(),
+            "connection_info": info,
+            "provisioner": {"name": "cedana-provisioner", **provisioner},
+            "last_activity": last.isoformat() if isinstance(last, dt.datetime) else None,
+            "execution_state": getattr(km, "execution_state", None),
+            "cwd": str(self.cwd) if getattr(self, "cwd", None) else None,
+            "parked_at": time.time(),
+            **facts,
+        }
+
+    @property
+    def held_record(self) -> HeldRecord | None:
+        return self._record if self._record is not None and self._record.held else None
+
+    def hold_record(self, record: dict[str, Any]) -> HeldRecord:
+        """Write the kernel's record (or new content for it) and keep its lock; on
+        failure (e.g. ENOSPC) the previous record, if any, stays as it was."""
+        held = self.held_record
+        if held is not None:
+            held.replace(record)
+            return held
+        self._record = HeldRecord.create(self.engine.store, record)
+        return self._record
+
+    def take_record(self, held: HeldRecord) -> None:
+        """Adoption: this kernel's record, locked by the adopting server, is this one's."""
+        if self._record is not None and self._record is not held:
+            self._record.release()
+        self._record = held
+
+    def release_record(self) -> None:
+        """Parked: the record stays for the next server, which takes its lock."""
+        if self._record is not None:
+            self._record.release()
+            self._record = None
+
+    def _note_resumed_lazily(self) -> None:
+        """The kernel runs while its memory comes in from the image, which stays (with
+        its record) until then: if the server dies meanwhile, the next one brings back
+        the image, and must say that what the kernel did since this resume is lost."""
+        held = self.held_record
+        if held is None:
+            return
+        try:
+            record = json.loads(held.path.read_text())
+            record["resumed_at"] = time.time()
+            held.replace(record)  # on the event loop: no transition can interleave
+        except (OSError, ValueError) as e:
+            self.log.warning(
+                "Kernel %s: could not note its resume in its record: %s", self.kernel_id, e
+            )
+
+    def _drop_record(self) -> None:
+        """The image is gone or superseded (resumed, shut down): so is the record."""
+        if self._record is not None:
+            try:
+                self._record.remove()
+            except OSError as e:
+                self.log.warning("Kernel %s: could not remove its record: %s", self.kernel_id, e)
+            self._record = None
 
     # -- ports ----------------------------------------------------------------------------
 

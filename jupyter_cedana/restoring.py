@@ -290,10 +290,11 @@ class Restoring(GpuSteps):
             "copiers": pages.copiers if pages is not None else 0,  # its share of the budget
         }
         if pages is not None:
-            # The image stays until every page is in.
+            # The image (and the record) stays until every page is in.
             self._loading = asyncio.ensure_future(self._load_memory(pages, proc, pid))
-        elif not engine.keep_image_after_resume:
-            self._discard_image_later()
+            self._note_resumed_lazily()
+        else:
+            self._image_superseded()
         self.tier = None
         self.suspended_at = None
         self.resumed_at = time.time()
@@ -314,6 +315,20 @@ class Restoring(GpuSteps):
         chunked = bool(page_files) and all("chunks" in m for m in page_files)
         big = int(manifest.get("total_bytes") or 0) >= min_bytes
         return chunked and big and not gpu_state and lazy_off is None
+
+    def _drop_record(self) -> None:
+        raise NotImplementedError
+
+    def _note_resumed_lazily(self) -> None:
+        raise NotImplementedError
+
+    def _image_superseded(self) -> None:
+        """The resumed kernel runs on its own memory: its record goes (a server started
+        after a crash must not bring back the older state in the image), and so does the
+        image unless CheckpointEngine.keep_image_after_resume."""
+        self._drop_record()
+        if not self.engine.keep_image_after_resume:
+            self._discard_image_later()
 
     def _discard_image_later(self) -> None:
         # The kernel runs already; gigabytes of deletion need not delay its first output.
@@ -361,8 +376,7 @@ class Restoring(GpuSteps):
             pages.bytes_done / 1e6,
             seconds,
         )
-        if not self.engine.keep_image_after_resume:
-            self._discard_image_later()
+        self._image_superseded()
 
     def _lost(self, cause: str) -> str:
         return (

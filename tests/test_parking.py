@@ -27,6 +27,8 @@ from tornado.websocket import websocket_connect
 from traitlets.config import Config
 
 from jupyter_cedana.engine import CheckpointEngine
+from jupyter_cedana.timestamps import Stamp, stamp
+from tests import test_cli
 from tests.conftest import run, start_kernel, stop_kernel, wait_iopub
 from tests.test_cli import (
     Server,
@@ -35,7 +37,6 @@ from tests.test_cli import (
     _proc_table,
     cedana,
     plant_image,
-    start_server,
     stop_server,
     wait_ready,
 )
@@ -47,6 +48,19 @@ needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (mount, cr
 
 
 # -- helpers --------------------------------------------------------------------------------
+
+
+def start_server(base: Path, *args: str, checkpoint_root: Path | None = None, **kw: Any) -> Server:
+    """test_cli.start_server, with the root_dir that every server of a test shares (a
+    server adopts only the kernels of servers with its identity: by default its root_dir),
+    reached through base/root as a symlink. `notebooks=` names another shared directory."""
+    notebooks = kw.pop("notebooks", "notebooks")
+    shared = (checkpoint_root or base / "checkpoints").parent / notebooks
+    shared.mkdir(parents=True, exist_ok=True)
+    base.mkdir(parents=True, exist_ok=True)
+    if not (base / "root").exists():
+        (base / "root").symlink_to(shared)
+    return test_cli.start_server(base, *args, checkpoint_root=checkpoint_root, **kw)
 
 
 def wait_log(server: Server, text: str, count: int = 1, timeout: float = 120) -> str:
@@ -259,13 +273,16 @@ def test_sigterm_parks_every_kernel_and_the_next_server_adopts_them(
     assert [(s["id"], s["path"], s["kernel"]["id"]) for s in sessions] == [
         (session["id"], "work/analysis.ipynb", running)
     ]
-    assert records(root) == {}  # adopted: the records are used up
+    # Adopted, still suspended: the records stay (a crash of b must not lose them).
+    assert set(records(root)) == {running, suspended}
 
     # The next cell resumes the kernel through the message gate, with all its state.
     out = execute(b, running, "print(x + 1, int(arr.sum()))")
     assert out["reply"]["status"] == "ok" and out["stdout"].strip() == "42 499999500000", out
     assert b.kernel(running)["state"] == "running"
+    assert set(records(root)) == {suspended}  # resumed: its image and record are done
     assert execute(b, suspended, "print(y)")["stdout"].strip() == "kept"
+    assert records(root) == {}
 
 
 @needs_root
@@ -342,7 +359,10 @@ def test_disk_full_while_parking(tmp_path: Path, servers: list[Server]) -> None:
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=160m", "tmpfs", str(root)], check=True)
     try:
         a = start_server(
-            tmp_path / "a", "--KernelParking.concurrency=1", checkpoint_root=root
+            tmp_path / "a",
+            "--KernelParking.concurrency=1",
+            "--SuspendLimits.min_free_disk_bytes=0",
+            checkpoint_root=root,
         )  # one dump at a time, smallest first: which kernel meets the full disk is known
         servers.append(a)
         small1, small2, big = a.start_kernel(), a.start_kernel(), a.start_kernel()
@@ -353,7 +373,8 @@ def test_disk_full_while_parking(tmp_path: Path, servers: list[Server]) -> None:
         watched = kernel_processes(a, [big])
 
         log = stop_with(a, signal.SIGTERM)
-        assert f"kernel {big} not parked (" in log and "no space left" in log.lower()
+        # Refused before its dump, as the policy's suspends are: its estimate does not fit.
+        assert f"kernel {big} not parked (Not enough free space on the checkpoint disk" in log
         assert "parked 2 of 3 kernel(s)" in log
         assert gone(watched) == []
         assert set(records(root)) == {small1, small2}
@@ -406,7 +427,10 @@ def test_two_servers_never_adopt_the_same_kernel(tmp_path: Path, servers: list[S
 def test_server_started_while_the_previous_one_is_still_parking(
     tmp_path: Path, criu_gate: CriuGate, servers: list[Server]
 ) -> None:
-    a, root, kid = server_with_kernel(tmp_path, servers, "w = 5", criu_gate.arg)
+    # A deadline the two servers' starts (seconds each on a loaded machine) cannot pass.
+    a, root, kid = server_with_kernel(
+        tmp_path, servers, "w = 5", criu_gate.arg, "--KernelParking.deadline=300"
+    )
     criu_gate.hold()
     a.proc.send_signal(signal.SIGTERM)
     criu_gate.wait_dump()
@@ -474,7 +498,14 @@ def test_invalid_records_are_not_adopted(tmp_path: Path, servers: list[Server]) 
     old = _plant_record(
         root, template, provisioner={**template["provisioner"], "cedana_suspended_at": 1.0}
     )
-    plant_image(root, old)
+    # Its image made a day and more ago on this boot's clock, which retention counts.
+    manifest = plant_image(root, old) / "manifest.json"
+    now = stamp()
+    assert now.boottime is not None
+    made = Stamp(1.0, now.boot_id, now.boottime - 86400 - 60)
+    manifest.write_text(
+        json.dumps({**json.loads(manifest.read_text()), "created_clock": made.to_json()})
+    )
     garbled = str(uuid.uuid4())
     (root / ".parked" / f"{garbled}.json").write_text('{"format": 1, "kernel_id": ')
 
@@ -506,7 +537,8 @@ def test_invalid_records_are_not_adopted(tmp_path: Path, servers: list[Server]) 
     assert said(garbled, "does not parse")
     assert "1 parked image(s) of 0.0" in log and "sizes checked now" in log
     left = {p.stem for p in (root / ".parked").glob("*.json")}
-    assert left == {other_uid, other_user, other_server, no_spec, damaged, garbled}
+    # The adopted kernel's record stays while it is suspended.
+    assert left == {good, other_uid, other_user, other_server, no_spec, damaged, garbled}
     assert (root / damaged).is_dir() and not (root / old).exists()
 
     # A restore that fails after adoption: state failed with the reason, image kept.

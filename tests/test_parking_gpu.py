@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from tests.test_cli import Server, _proc_table, start_server
-from tests.test_parking import execute, records, servers, stop_with
+from tests.test_cli import Server, _proc_table
+from tests.test_parking import execute, records, servers, start_server, stop_with
 
 from .conftest_gpu import FAKE_LIBCUDA, HELPER, FakeGpu, GiB, fake_gpu, gpu_build, nspid, wait_for
 

@@ -20,6 +20,7 @@ from jupyter_cedana.checkpoint import CheckpointStore
 from jupyter_cedana.errors import InvalidId
 from jupyter_cedana.parkrecords import (
     RECORD_FORMAT,
+    HeldRecord,
     RecordBusy,
     RecordInvalid,
     list_records,
@@ -133,6 +134,69 @@ def test_a_lock_won_on_a_removed_record_is_refused(
     monkeypatch.setattr(parkrecords.fcntl, "flock", adopted_meanwhile)
     with pytest.raises(FileNotFoundError), locked_record(path):
         pass
+
+
+HOLD_RECORD = """
+import sys
+from jupyter_cedana.checkpoint import CheckpointStore
+from jupyter_cedana.parkrecords import HeldRecord, RECORD_FORMAT
+record = {"format": RECORD_FORMAT, "kernel_id": sys.argv[2], "kernel_name": "python3",
+          "connection_info": {}, "uid": 0}
+held = HeldRecord.create(CheckpointStore(sys.argv[1]), record)
+print("held", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_a_record_is_busy_while_its_owner_lives_and_free_once_it_is_killed(
+    tmp_path: Path,
+) -> None:
+    """The server that owns a suspended kernel holds its record's lock; SIGKILL of that
+    server releases it, and the next server can adopt the kernel."""
+    kid = str(uuid.uuid4())
+    owner = subprocess.Popen(
+        [sys.executable, "-c", HOLD_RECORD, str(tmp_path), kid],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    path = record_path(CheckpointStore(tmp_path), kid)
+    try:
+        assert owner.stdout is not None and owner.stdout.readline() == "held\n"
+        with pytest.raises(RecordBusy):
+            HeldRecord.acquire(path)
+    finally:
+        owner.kill()
+        owner.wait()
+    held, text = HeldRecord.acquire(path)
+    try:
+        assert json.loads(text)["kernel_id"] == kid
+    finally:
+        held.release()
+
+
+def test_a_held_record_stays_locked_through_its_updates(tmp_path: Path) -> None:
+    store = CheckpointStore(tmp_path)
+    kid = str(uuid.uuid4())
+    held = HeldRecord.create(store, record(kid, sessions=[]))
+    path = record_path(store, kid)
+    held.replace(record(kid, sessions=[{"id": "s", "path": "b.ipynb"}]))
+    assert json.loads(path.read_text())["sessions"] == [{"id": "s", "path": "b.ipynb"}]
+    with pytest.raises(RecordBusy):  # another open file: another server
+        HeldRecord.acquire(path)
+    # An update that cannot be written leaves the record as it was, still locked.
+    with pytest.raises(TypeError):
+        held.replace(record(kid, bad=b"bytes are not JSON"))
+    assert json.loads(path.read_text())["sessions"] == [{"id": "s", "path": "b.ipynb"}]
+    with pytest.raises(RecordBusy):
+        HeldRecord.acquire(path)
+    assert os.listdir(path.parent) == [path.name]  # no temporary left
+    # Parked: the record stays, for the next server to take.
+    held.release()
+    taken, _ = HeldRecord.acquire(path)
+    # Resumed or shut down: the record goes.
+    taken.remove()
+    assert not path.exists()
 
 
 HOLD_PARKING_LOCK = """

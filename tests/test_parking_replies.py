@@ -20,9 +20,9 @@ from jupyter_cedana import replies as replies_module
 from jupyter_cedana.replies import Message, ReplyCache
 
 from . import test_gate, test_parking
-from .test_cli import Server, start_server
+from .test_cli import Server
 from .test_gate import V1, Client, _sans_tip, gate, stopped, until
-from .test_parking import records, server_with_kernel, stop_with
+from .test_parking import records, server_with_kernel, start_server, stop_with
 
 # Fixtures (pytest finds them by module attribute): servers in subprocesses, and an
 # in-process server whose extension a test starts when it needs one.
