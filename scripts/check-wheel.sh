@@ -10,7 +10,7 @@
 #     refuses the extension's REST API without the token, answers it with the token, and
 #     suspends a kernel started through the REST API; a cell sent over the kernel's
 #     websocket then resumes it with its state.
-# Dependencies come from the package index (pip's cache is used). Exits non-zero with a
+# Dependencies come from the package index, through pip's usual cache. Exits non-zero with a
 # message on the first failure; removes the server and every temp file in any case.
 # Needs checkpointing to work here (CRIU >= 4.2; root, or scripts/grant-criu-caps.sh).
 # Usage: scripts/check-wheel.sh [WHEEL]   (default: the manylinux wheel in dist/)
@@ -80,15 +80,16 @@ grep -E "jupyter_cedana +enabled" <<<"$out" >/dev/null \
   || fail "jupyter_cedana is not enabled in \`jupyter server extension list\`:"$'\n'"$out"
 grep -E "jupyter_cedana .*OK" <<<"$out" >/dev/null \
   || fail "jupyter_cedana does not load in \`jupyter server extension list\`:"$'\n'"$out"
-grep -F "$V/etc/jupyter" <<<"$out" >/dev/null \
-  || fail "the server config is not the wheel's (in $V/etc/jupyter):"$'\n'"$out"
+# Enabled by the wheel's own file, not by some system-wide configuration.
+[ -f "$V/etc/jupyter/jupyter_server_config.d/jupyter_cedana.json" ] \
+  || fail "no $V/etc/jupyter/jupyter_server_config.d/jupyter_cedana.json from the wheel"
 
 say "the JupyterLab extension is enabled"
 out=$(plain jupyter labextension list) || fail "jupyter labextension list: $out"
 grep -E "jupyter-cedana .*enabled.*OK" <<<"$out" >/dev/null \
   || fail "jupyter-cedana is not enabled in \`jupyter labextension list\`:"$'\n'"$out"
-grep -F "$V/share/jupyter/labextensions" <<<"$out" >/dev/null \
-  || fail "the labextension is not the wheel's (in $V/share/jupyter/labextensions):"$'\n'"$out"
+[ -f "$V/share/jupyter/labextensions/jupyter-cedana/static/style.js" ] \
+  || fail "no $V/share/jupyter/labextensions/jupyter-cedana/static/style.js from the wheel"
 
 say "the native helpers are in the package and run"
 pkg=$(dirname "$where")
