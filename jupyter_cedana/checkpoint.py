@@ -70,6 +70,8 @@ def fsync_path(path: Path, directory: bool = False) -> None:
 def _write_durably(path: Path, data: dict[str, Any], flags: int = os.O_TRUNC) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | flags, 0o600)
     with os.fdopen(fd, "w") as f:
+        # Held until written: a temporary file nobody holds was left by a dead writer.
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         json.dump(data, f, indent=1)
         f.flush()
         os.fsync(f.fileno())
@@ -96,10 +98,11 @@ def _stop_writing(tmp: Path) -> None:
 
 
 def writer_gone(path: Path) -> bool:
-    """Whether nobody holds the writer's lock of a dump directory (its writer finished
-    or died). False while it is held, or when the directory cannot be opened."""
+    """Whether nobody holds the writer's lock of a dump directory or a temporary file
+    (its writer finished or died). False while it is held, or when it cannot be opened."""
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = os.open(path, flags)
     except OSError:
         return False
     try:

@@ -3,10 +3,12 @@ jupyter-cedana wrote, whatever directory it is pointed at.
 
 Proof is, for an image, a directory named after a kernel id holding a manifest of our
 format for that id; for a partial dump or deletion, the store's own temporary names
-(`.<id>.tmp-<pid>-<n>.locked` whose writer no longer holds its lock, `.<id>.del-<n>`);
-for kernel logs, pid files and CRIU work directories, the store's names inside a root
-that carries the store's marker file. Everything must be a real directory or file (never
-a symbolic link), owned by the user running gc. Anything else is left alone and reported.
+(`.<id>.tmp-<pid>-<n>.locked` whose writer no longer holds its lock, `.<id>.del-<n>`,
+and a park record's `.parked/.<id>.json.tmp-<pid>-<n>` nobody holds); for a park record,
+one no server can adopt (_judge_records); for kernel logs, pid files and CRIU work
+directories, the store's names inside a root that carries the store's marker file.
+Everything must be a real directory or file (never a symbolic link), owned by the user
+running gc. Anything else is left alone and reported.
 """
 
 from __future__ import annotations
@@ -46,6 +48,12 @@ GC_MIN_AGE = 600.0
 _TMP_RE = re.compile(
     r"^\.(?P<kid>[A-Za-z0-9][A-Za-z0-9_-]*)\.tmp-(?P<pid>\d+)-\d+(?P<locked>\.locked)?$"
 )
+# A park record being written (checkpoint.replace_json_durably, parkrecords), locked by
+# its writer from just after it is made until it is renamed into place.
+_RECORD_TMP_RE = re.compile(r"^\.(?P<kid>[A-Za-z0-9][A-Za-z0-9_-]*)\.json\.tmp-\d+-\d+$")
+#: A temporary record file is locked microseconds after it is made: one older than this
+#: that nobody holds was left by a writer that died.
+TMP_SETTLE = 60.0
 _DEL_RE = re.compile(r"^\.(?P<kid>[A-Za-z0-9][A-Za-z0-9_-]*)\.del-\d+$")
 _PIDFILE_RE = re.compile(r"^\.(?P<kid>[A-Za-z0-9][A-Za-z0-9_-]*)\.pid$")
 _LOG_RE = re.compile(r"^(?P<kid>[A-Za-z0-9][A-Za-z0-9_-]*)\.log$")
@@ -53,7 +61,7 @@ _LOG_RE = re.compile(r"^(?P<kid>[A-Za-z0-9][A-Za-z0-9_-]*)\.log$")
 
 @dataclass
 class Leftover:
-    kind: str  # image, record, temporary, log, pidfile, work
+    kind: str  # image, record, partial record, temporary, log, pidfile, work
     path: Path
     kernel_id: str | None
     bytes: int
@@ -311,6 +319,15 @@ def plan(
             if kid not in keep and (kid in images or old(pst)):
                 size = pst.st_size if wanted == stat.S_IFREG else _tree_bytes(path)
                 remove.append(Leftover(kind, path, kid, size))
+    records = root / RECORDS
+    if _mine(_lstat(records), stat.S_IFDIR):
+        for path in sorted(records.iterdir()):
+            m = _RECORD_TMP_RE.match(path.name)
+            pst = _lstat(path)
+            settled = pst is not None and now - pst.st_mtime > TMP_SETTLE
+            if m and settled and _mine(pst, stat.S_IFREG) and writer_gone(path):
+                size = pst.st_size if pst is not None else 0
+                remove.append(Leftover("partial record", path, m.group("kid"), size))
     # Records last: a record left without its image is dropped by the next adoption.
     remove.extend(item for item in refused if item.kernel_id not in keep)
     return Plan(remove, foreign)
@@ -347,6 +364,9 @@ def apply(leftovers: list[Leftover]) -> tuple[list[Leftover], list[str]]:
             continue
         m = _TMP_RE.match(item.path.name) if item.kind == "temporary" else None
         if m and not _tmp_writer_gone(item.path, m):
+            errors.append(f"{item.path} is being written again; left alone")
+            continue
+        if item.kind == "partial record" and not writer_gone(item.path):
             errors.append(f"{item.path} is being written again; left alone")
             continue
         if item.kind == "record":

@@ -330,3 +330,32 @@ def test_a_live_writers_partial_dump_is_kept_whatever_its_name_says(tmp_path: Pa
         proc.kill()
         proc.wait()
     assert {i.path.name for i in store_gc.plan(store, keep=set()).remove} == {elsewhere.name}
+
+
+def test_a_record_write_cut_short_is_collected_once_its_writer_is_gone(tmp_path: Path) -> None:
+    """A server killed between writing a record's temporary file and renaming it leaves
+    the file (with the kernel's key in it). Its writer held a lock on it while writing:
+    a file nobody holds is collected, by whatever PID its name says wrote it."""
+    store = CheckpointStore(tmp_path)
+    store.ensure_root()
+    records = tmp_path / ".parked"
+    records.mkdir(mode=0o700)
+    kid = str(uuid.uuid4())
+    left = records / f".{kid}.json.tmp-{os.getpid()}-1"  # a PID that lives: this one's
+    left.write_text('{"format": 1, "kernel_id": "' + kid + '", "connection_info": {"key": "s')
+    writing = records / f".{kid}.json.tmp-999999999-2"  # held by a live writer
+    writing.write_text("{")
+    just_made = records / f".{kid}.json.tmp-999999999-3"  # made, not yet locked
+    just_made.write_text("")
+    for path in (left, writing):
+        age(path, store_gc.TMP_SETTLE + 1)
+    fd = os.open(writing, os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    try:
+        plan = store_gc.plan(store, keep=set())
+        assert {(i.kind, i.path.name) for i in plan.remove} == {("partial record", left.name)}
+        removed, errors = store_gc.apply(plan.remove)
+        assert errors == [] and [i.path for i in removed] == [left] and not left.exists()
+    finally:
+        os.close(fd)
+    assert writing.exists() and just_made.exists()
