@@ -225,14 +225,14 @@ class KernelParking(LoggingConfigurable):
 
     async def _sessions_changed(self, kid: str | None) -> None:
         adopting = self._adoption is None or not self._adoption.done()
-        if kid is None or (self.adopt_on_start and adopting):
-            return  # adoption puts back the sessions its records hold
-        with contextlib.suppress(KeyError):
-            prov = getattr(self._mkm.get_kernel(kid), "provisioner", None)
-            if isinstance(prov, CedanaProvisioner):
-                # Before the session's change is answered: the record says what the
-                # client was told.
-                await self._refresh_record(kid, prov)
+        if kid is None or (self.adopt_on_start and adopting) or kid not in self._mkm:
+            return  # adoption puts back the sessions its records hold; a kernel shut down
+        # jupyter_server's get_kernel raises 404, not KeyError, for a kernel gone.
+        prov = getattr(self._mkm.get_kernel(kid), "provisioner", None)
+        if isinstance(prov, CedanaProvisioner):
+            # Before the session's change is answered: the record says what the client
+            # was told.
+            await self._refresh_record(kid, prov)
 
     async def _refresh_record(self, kid: str, prov: CedanaProvisioner) -> None:
         if prov.held_record is None or prov.state not in (

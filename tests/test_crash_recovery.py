@@ -105,6 +105,11 @@ def test_a_suspended_kernel_survives_sigkill_of_every_server(
     servers.append(d)
     assert execute(d, kid, "print(x)")["stdout"].strip() == "99"
 
+    # Closed while suspended: the kernel is shut down, its image and record go with it.
+    cedana(d, "suspend", kid)
+    assert d.api("DELETE", f"api/sessions/{session['id']}")[0] == 204
+    assert records(root) == {} and not (root / kid).exists()
+
 
 def test_kernels_of_another_project_are_left_alone(tmp_path: Path, servers: list[Server]) -> None:
     """Servers of one user in two directories share the default checkpoint root: each

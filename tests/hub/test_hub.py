@@ -1,6 +1,6 @@
 """A user's kernels through a real JupyterHub, with servers of non-root users: culled or
 stopped servers bring their kernels back with all their state, users cannot reach each
-other's images, and a killed server leaves images that gc finds."""
+other's images, and a killed server's suspended kernels come back too."""
 
 from __future__ import annotations
 
@@ -133,12 +133,13 @@ def test_another_user_cannot_see_or_adopt_the_images(hub: Hub) -> None:
     close_and_stop(hub, USER, session)
 
 
-def test_server_killed_with_sigkill_leaves_images_for_gc(hub: Hub) -> None:
+def test_server_killed_with_sigkill_brings_its_suspended_kernel_back(hub: Hub) -> None:
     """A killed server cannot park: its running kernels die with it (their watcher sees
-    it go), and the images of its suspended kernels stay until `jupyter cedana gc`."""
+    it go). A suspended kernel's image and record were committed at its suspend: gc
+    leaves them, and the next server adopts the kernel with its session and state."""
     session = notebook_with_state(hub, USER, "killed.ipynb")
-    running = session["kernel"]["id"]
-    suspended = hub.open_notebook(USER, "other.ipynb")["kernel"]["id"]
+    suspended = session["kernel"]["id"]
+    running = hub.open_notebook(USER, "other.ipynb")["kernel"]["id"]
     r = hub.server(USER, "POST", f"/cedana/kernels/{suspended}/suspend")
     assert r.status_code == 200, r.text
     assert processes_mentioning(running)
@@ -148,13 +149,15 @@ def test_server_killed_with_sigkill_leaves_images_for_gc(hub: Hub) -> None:
     wait_for("the running kernel to die", lambda: not processes_mentioning(running))
     assert not (hub.root(USER) / running / "manifest.json").exists()
     assert (hub.root(USER) / suspended / "manifest.json").is_file()
+    assert (hub.root(USER) / ".parked" / f"{suspended}.json").is_file()
 
-    # The user's gc, as they would run it after such a crash, finds it and removes it.
-    dry_run = gc(hub, USER, "--dry-run")
-    assert ("image", suspended) in dry_run
+    # The user's gc, as they would run it after such a crash, keeps it: it is recoverable.
+    assert ("image", suspended) not in gc(hub, USER, "--yes")
     assert (hub.root(USER) / suspended / "manifest.json").is_file()
-    assert ("image", suspended) in gc(hub, USER, "--yes")
-    assert not (hub.root(USER) / suspended).exists()
+
+    assert_adopted(hub, USER, session)
+    close_and_stop(hub, USER, session)
+    assert not (hub.root(USER) / ".parked" / f"{suspended}.json").exists()
 
 
 def gc(hub: Hub, user: str, *args: str) -> set[tuple[str, str]]:
