@@ -50,8 +50,13 @@ async def gone(pids: set[int], timeout: float = 60) -> set[int]:
 
 
 def image_dirs(root: Path) -> list[str]:
-    """Images and temporaries (dumps in progress, deletions) under the checkpoint root."""
-    return sorted(p.name for p in root.iterdir() if p.name not in (".logs", ".work", ROOT_MARKER))
+    """Images and temporaries (dumps in progress, deletions) under the checkpoint root,
+    and the records of suspended kernels."""
+    records = (
+        sorted(p.name for p in (root / ".parked").glob("*")) if (root / ".parked").is_dir() else []
+    )
+    bookkeeping = (".logs", ".work", ".parked", ROOT_MARKER)
+    return sorted(p.name for p in root.iterdir() if p.name not in bookkeeping) + records
 
 
 def port_free(port: int) -> bool:
