@@ -296,7 +296,10 @@ class ImageCapture:
             except BlockingIOError:
                 return True
             if data:
-                _write_all(sink.fd, data)
+                try:
+                    _write_all(sink.fd, data)
+                except OSError as e:  # said as a page file's writer says it
+                    raise CaptureFailed(f"writing {sink.name}: {e.strerror or e}") from None
                 return True
             return False
         while True:

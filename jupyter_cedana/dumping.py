@@ -67,16 +67,37 @@ def criu_errors(log: Path, limit: int = 3) -> str:
         lines = log.read_text(errors="replace").splitlines()
     except OSError:
         return "no CRIU log"
-    errors = [ln[ln.index("Error (") :].strip() for ln in lines if "Error (" in ln]
-    # The first errors say why; the rest is CRIU unwinding ("exited, status=1",
-    # "Restoring FAILED"), and the rlimit line is a harmless complaint about its own limit.
-    noise = ("RLIMIT_NOFILE for self", "exited, status", "FAILED", "Unable to open fd")
-    useful = [e.split("): ", 1)[-1] for e in errors if not any(n in e for n in noise)]
+    errors = _errors(lines)
     return (
-        "; ".join(useful[:limit])
+        "; ".join(_reasons(errors)[:limit])
         or "; ".join(errors[-limit:])
-        or (lines[-1] if lines else "no output")
+        or next((ln.strip() for ln in reversed(lines) if ln.strip()), "no output")
     )
+
+
+def criu_reasons(log: Path, limit: int = 3) -> str:
+    """The errors of a CRIU log that say why it failed ("": none does)."""
+    try:
+        lines = log.read_text(errors="replace").splitlines()
+    except OSError:
+        return ""
+    return "; ".join(_reasons(_errors(lines))[:limit])
+
+
+def _errors(lines: list[str]) -> list[str]:
+    # The rlimit line is a harmless complaint about CRIU's own limit, never the reason.
+    return [
+        ln[ln.index("Error (") :].strip()
+        for ln in lines
+        if "Error (" in ln and "RLIMIT_NOFILE for self" not in ln
+    ]
+
+
+def _reasons(errors: list[str]) -> list[str]:
+    # The first errors say why; the rest is CRIU unwinding ("exited, status=1",
+    # "Restoring FAILED").
+    noise = ("exited, status", "FAILED", "Unable to open fd")
+    return [e.split("): ", 1)[-1] for e in errors if not any(n in e for n in noise)]
 
 
 def criu_last_step(log: Path) -> str:
@@ -188,6 +209,9 @@ async def criu_dump(
     written = hasher.error if isinstance(hasher, ImageCapture) else None
     rc = proc.returncode or 0  # it has exited: set
     if rc != 0:
+        st = os.statvfs(images)
+        free = st.f_bavail * st.f_frsize
+        full = free < (1 << 20)
         if rc < 0:
             # Killed (by the OOM killer, an admin): the errors in its log are complaints
             # it went on after, not why it stopped; where it stopped is what helps.
@@ -195,10 +219,12 @@ async def criu_dump(
         else:
             why = criu_errors(images / "dump.log")
         if written:  # CRIU failed because its pipes were closed on it: say why
-            why = f"writing the image failed: {written} (CRIU: {why})"
-        st = os.statvfs(images)
-        free = st.f_bavail * st.f_frsize
-        if "No space left" in why or free < (1 << 20):
+            why = f"writing the image failed: {written}"
+            # What CRIU adds, if anything; on a full disk, nothing: it failed for lack of
+            # its pipes, and its log there is cut short, even mid-line.
+            if rc > 0 and not full and (criu := criu_reasons(images / "dump.log")):
+                why += f" (CRIU: {criu})"
+        if "No space left" in why or full:
             # A full disk also swallows CRIU's own log, so say it from here.
             why = f"no space left on the checkpoint disk ({free} bytes free): {why}"
         raise SuspendFailed(f"CRIU dump failed ({_exit_status(rc)}): {why or stderr.strip()}")

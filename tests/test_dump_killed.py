@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from jupyter_cedana.dumping import criu_errors, criu_last_step, criu_reasons
 from jupyter_cedana.errors import SuspendFailed
 from jupyter_cedana.provisioner import KernelState
 from tests.conftest import kernel_pids, run, wait_iopub
@@ -210,3 +211,24 @@ async def test_criu_killed_mid_dump_leaves_the_kernel_running(
     await wait_iopub(kc)
     reply, out = await run(kc, CHECK)
     assert reply["status"] == "ok" and out == CHECKED, out
+
+
+def test_a_killed_criu_is_said_to_stop_where_its_log_ends(tmp_path: Path) -> None:
+    """The parasite CRIU was killed in logs on as it cures itself: CRIU's own last line."""
+    log = tmp_path / "dump.log"
+    log.write_text(
+        "(00.000012) Error (criu/util.c:1534): rlimit: Can't setup RLIMIT_NOFILE for self: "
+        "Operation not permitted\n"
+        "(00.041234) page-xfer: \tp 0x55b8a15b6000 - 0x55b8a16b6000\n"
+        "pie: 2: 2: new_sp=0x7f20188adec8 ip 0x7f2040126f36\n\n"
+    )
+    assert criu_last_step(log) == "page-xfer: p 0x55b8a15b6000 - 0x55b8a16b6000"
+    assert criu_last_step(tmp_path / "none.log") == "no CRIU log"
+    # CRIU's complaint about its own file limit is never why a run failed.
+    assert criu_reasons(log) == ""
+    assert criu_errors(log) == "pie: 2: 2: new_sp=0x7f20188adec8 ip 0x7f2040126f36"
+    log.write_text(
+        log.read_text() + "(00.05) Error (criu/page-xfer.c:123): page-xfer: Unable to spice "
+        "data: Broken pipe\n(00.06) Error (criu/cr-dump.c:2100): Dumping FAILED.\n"
+    )
+    assert criu_reasons(log) == criu_errors(log) == "page-xfer: Unable to spice data: Broken pipe"

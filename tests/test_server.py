@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import logging
 import os
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -169,11 +172,12 @@ async def test_rest_suspend_resume_and_spec(api, new_kernel, jp_serverapp, check
     await jp_serverapp.kernel_manager.get_kernel(kid).provisioner.memory_loaded()
     assert not (checkpoint_root / kid).exists()
 
-    # 202 while a transition runs in the background; the state then tells.
+    # 202 while a transition runs in the background (the answer goes before the dump, a
+    # CRIU run, can have ended); the state then tells.
     status, k = await api(
         "POST", "kernels", kid, "suspend", wait="0", spec="/kernels/{kernel_id}/suspend"
     )
-    assert status in (200, 202) and k["state"] in ("suspending", "suspended")
+    assert status == 202 and k["state"] == "suspending"
     await until(api, kid, lambda k: k["state"] == "suspended")
 
 
@@ -350,7 +354,29 @@ async def test_messages_to_suspended_kernel_are_delivered_in_order(api, new_kern
     assert k["state"] == "running"
 
 
-async def test_passive_requests_do_not_wake_a_suspended_kernel(api, new_kernel, connect):
+@contextlib.contextmanager
+def logged(log: Any) -> Iterator[list[str]]:
+    """The messages `log` logs meanwhile, debug ones included."""
+    lines: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append(record.getMessage())
+
+    logger = getattr(log, "logger", log)  # a LoggerAdapter's logger
+    handler, level = Keep(logging.DEBUG), logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG)
+    try:
+        yield lines
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
+async def test_passive_requests_do_not_wake_a_suspended_kernel(
+    api, new_kernel, connect, jp_serverapp
+):
     """JupyterLab's debugger probes a kernel whenever its notebook gets focus: that must
     not resume it. The probe is answered once a cell run resumes the kernel."""
     kid = await new_kernel()
@@ -361,8 +387,18 @@ async def test_passive_requests_do_not_wake_a_suspended_kernel(api, new_kernel, 
         "debug_request", {"seq": 1, "type": "request", "command": "debugInfo"}
     )
     probe["channel"] = "control"
-    client.ws.write_message(json.dumps(probe, default=json_default))
-    await asyncio.sleep(1.0)
+    gate = jp_serverapp.web_app.settings["cedana_gate"]
+    with logged(gate.log) as lines:
+        client.ws.write_message(json.dumps(probe, default=json_default))
+        # The gate decides as the message arrives: held for later, or resuming the kernel
+        # for it (said either way).
+        held = f"Holding debug_request for suspended kernel {kid}"
+        waking = f"debug_request for suspended kernel {kid}: resuming it"
+        deadline = time.monotonic() + 60
+        while held not in lines and waking not in lines:
+            assert time.monotonic() < deadline, "the gate never took the probe"
+            await asyncio.sleep(0.01)
+    assert held in lines and waking not in lines, lines
     _, k = await api("GET", "kernels", kid)
     assert k["state"] == "suspended"
     mid = client.execute("print(q)")
@@ -427,7 +463,14 @@ async def test_restarter_leaves_suspended_kernel_alone(api, new_kernel, jp_serve
     km = jp_serverapp.kernel_manager.get_kernel(kid)
     assert km.autorestart and km._restarter is not None and km._restarter._pcallback is not None
     await api("POST", "kernels", kid, "suspend")
-    await asyncio.sleep(km._restarter.time_to_dead * 2 + 1)
+    restarts: list[str] = []
+    for event in ("restart", "dead"):
+        km._restarter.add_callback(lambda event=event: restarts.append(event), event)
+    # What the restarter does every time_to_dead seconds, done here: a kernel it finds
+    # dead is restarted at once (jupyter_client's KernelRestarter.poll).
+    for _ in range(km._restarter.restart_limit + 1):
+        await km._restarter.poll()
+    assert restarts == []
     assert km.provisioner.state.value == "suspended"
     _, k = await api("GET", "kernels", kid)
     assert k["state"] == "suspended"
