@@ -1,7 +1,12 @@
-"""`criu dump` killed (SIGKILL: the OOM killer, an admin, the engine's own timeout) at
-each stage of a real dump, with its parasite inside the kernel's process included: the
-kernel runs on with its state, the suspend fails saying where CRIU stopped, nothing is
-left behind, and the next suspend and resume work."""
+"""`criu dump` killed (SIGKILL: by the OOM killer, an admin, or the engine at its dump
+timeout or a cancelled suspend) at each stage of a real dump, with its parasite inside a
+process of the kernel included: the kernel runs on with its state, the suspend fails
+saying so, nothing is left behind, and the next suspend and resume work.
+
+What CRIU 4.2 leaves: killed while its parasite runs in a process, the parasite finds its
+control socket closed and returns the thread to the kernel's code by itself (rt_sigreturn
+to the frame CRIU saved), and Linux detaches the seized tasks as their tracer dies, so
+none is left stopped; only the parasite's mapping stays in that process."""
 
 from __future__ import annotations
 
@@ -18,8 +23,9 @@ import pytest
 
 from jupyter_cedana.dumping import criu_errors, criu_last_step, criu_reasons
 from jupyter_cedana.errors import SuspendFailed
+from jupyter_cedana.proctree import process_tree
 from jupyter_cedana.provisioner import KernelState
-from tests.conftest import kernel_pids, run, wait_iopub
+from tests.conftest import alive, kernel_pids, run, wait_iopub
 from tests.criu_hold import DumpStages
 from tests.test_provisioner import BOOKKEEPING
 
@@ -52,7 +58,7 @@ def dump_stages(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Dum
 def threads(root: int) -> dict[int, tuple[str, int]]:
     """(state letter, tracer PID) of every thread of the tree rooted at `root`."""
     out = {}
-    for pid in kernel_tree(root):
+    for pid in process_tree(root):
         for tid in os.listdir(f"/proc/{pid}/task"):
             fields = {}
             try:
@@ -64,12 +70,6 @@ def threads(root: int) -> dict[int, tuple[str, int]]:
                 continue
             out[int(tid)] = (fields["State"][0], int(fields["TracerPid"][0]))
     return out
-
-
-def kernel_tree(root: int) -> set[int]:
-    from jupyter_cedana.proctree import process_tree
-
-    return process_tree(root)
 
 
 def ns_pid(pid: int) -> int:
@@ -106,19 +106,12 @@ def criu_dumps(root: int) -> list[int]:
     ]
 
 
-def wait_dead(pid: int, timeout: float = 30) -> None:
-    """Until `pid` has exited (a zombie, or reaped). Blocking on purpose: the engine, on
-    this event loop, must not act before the test has looked."""
+async def gone(pid: int, timeout: float = 60) -> None:
+    """Until CRIU (`pid`) has exited: a zombie, or reaped."""
     deadline = time.monotonic() + timeout
-    while True:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                if f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X"):
-                    return
-        except OSError:
-            return
-        assert time.monotonic() < deadline, f"CRIU ({pid}) outlived SIGKILL"
-        time.sleep(0.001)
+    while alive(pid):
+        assert time.monotonic() < deadline, f"CRIU ({pid}) still runs"
+        await asyncio.sleep(0.01)
 
 
 async def scripts_ended(script: Path, timeout: float = 30) -> list[int]:
@@ -177,7 +170,7 @@ async def test_criu_killed_mid_dump_leaves_the_kernel_running(
     assert {p for p in (init, python) if parasite_in(p)} == ({infected} if infected else set())
 
     os.kill(criu, signal.SIGKILL)
-    wait_dead(criu)
+    await gone(criu)
     dump_stages.release(stage)
     with pytest.raises(SuspendFailed) as info:
         await suspend
@@ -186,13 +179,60 @@ async def test_criu_killed_mid_dump_leaves_the_kernel_running(
     where = "page-xfer: " if infected else f"[{dump_stages.script}]"
     assert message.startswith(f"CRIU dump failed (killed by SIGKILL): it stopped at: {where}")
     assert prov.state == KernelState.running and prov.reason == message
+    await runs_on(kernel, checkpoint_root, dump_stages, python, infected)
 
-    # Nothing is left: no CRIU, no action script, no partial image.
+
+@pytest.mark.parametrize("how", ["timeout", "cancel"])
+async def test_the_engine_killing_criu_with_its_parasite_inside_leaves_the_kernel_running(
+    kernel: Any, checkpoint_root: Path, dump_stages: DumpStages, how: str
+) -> None:
+    """The engine kills CRIU itself when a dump outlasts CheckpointEngine.dump_timeout,
+    and when the suspend is cancelled (a shutdown, a restart): here with CRIU's parasite
+    inside the kernel's process."""
+    kc, prov = kernel.test_client, kernel.provisioner
+    reply, out = await run(kc, SETUP)
+    assert reply["status"] == "ok", out
+    init = prov.pid
+    [python] = kernel_pids(kernel) - {init}
+    dump_stages.arm("parasite", ns_pid(python))
+    suspend = asyncio.ensure_future(prov.suspend())
+    await dump_stages.wait_reached("parasite")
+    [criu] = criu_dumps(init)
+    assert parasite_in(python)
+
+    timeout = prov.engine.dump_timeout
+    if how == "timeout":
+        prov.engine.dump_timeout = 0  # passed: the engine's next look kills CRIU
+    else:
+        suspend.cancel()
+    await gone(criu)
+    prov.engine.dump_timeout = timeout
+    dump_stages.release("parasite")
+    if how == "timeout":
+        with pytest.raises(SuspendFailed) as info:
+            await suspend
+        assert info.value.message == "CRIU dump took longer than 0 s"
+        assert prov.reason == info.value.message
+    else:
+        with pytest.raises(asyncio.CancelledError):
+            await suspend
+    assert prov.state == KernelState.running
+    await runs_on(kernel, checkpoint_root, dump_stages, python, python)
+
+
+async def runs_on(
+    kernel: Any, checkpoint_root: Path, stages: DumpStages, python: int, infected: int | None
+) -> None:
+    """After a dump whose CRIU was killed: nothing is left, the kernel runs on as before,
+    and its next suspend and resume work."""
+    kc, prov = kernel.test_client, kernel.provisioner
+    init = prov.pid
+    # No CRIU, no action script, no partial image.
     assert criu_dumps(init) == []
-    assert await scripts_ended(dump_stages.script) == []
+    assert await scripts_ended(stages.script) == []
     assert [p.name for p in checkpoint_root.iterdir() if p.name not in BOOKKEEPING] == []
 
-    # The kernel runs on as before, no thread stopped or traced, its state intact.
+    # The same processes, no thread stopped or traced, the state intact.
     assert kernel_pids(kernel) == {init, python}
     after = threads(init)
     assert all(state not in "tT" and tracer == 0 for state, tracer in after.values()), after
@@ -203,7 +243,6 @@ async def test_criu_killed_mid_dump_leaves_the_kernel_running(
     # dump takes those few pages along.
     assert {p for p in (init, python) if parasite_in(p)} == ({infected} if infected else set())
 
-    # The next suspend and resume of the same kernel work.
     await prov.suspend()
     assert prov.state == KernelState.suspended
     await prov.resume()
