@@ -483,11 +483,10 @@ class Torture:
             for p in self.server.root.iterdir():
                 if p.name == ".jupyter-cedana":  # the store's marker, not an image
                     continue
-                if p.name in (".logs", ".work") and not any(p.iterdir()):
-                    continue
-                if p.name in (".logs", ".work"):
+                # Bookkeeping directories are the store's own; what is left inside them is not.
+                if p.name in (".logs", ".work", ".parked"):
                     images += [f"{p.name}/{c.name}" for c in p.iterdir()]
-                elif p.name != ".work":
+                else:
                     images.append(p.name)
         status, listed = await self.server.call("GET", "/api/kernels")
         return {
