@@ -1,0 +1,354 @@
+"""The agent's socket server: who is calling (SO_PEERCRED), limits, and the op registry.
+
+Identity comes from the kernel, never from the request: the uid, gid and pid of the
+peer's socket are read once at accept, and every handler gets them as a `Caller`. A
+request field named uid, pid or anything alike is just an argument the handler ignores.
+
+Every connection is served by its own task, and everything it waits for is bounded (a
+frame's bytes, an idle connection, a client that does not read its replies), so a bad
+client holds its own connection and nothing else.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import pwd
+import socket
+import stat
+import struct
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from . import protocol
+from .kernels import KernelTable
+from .protocol import AgentError, FrameError
+
+log = logging.getLogger("jupyter_cedana.agent")
+
+Progress = Callable[[dict[str, Any]], Awaitable[None]]
+Handler = Callable[["Caller", dict[str, Any], Progress], Awaitable[dict[str, Any]]]
+
+__all__ = ["AgentError", "Caller", "Handler", "Limits", "Progress", "Service"]
+
+
+@dataclass(frozen=True)
+class Caller:
+    """The peer of a connection, as the kernel reports it (SO_PEERCRED)."""
+
+    pid: int
+    uid: int
+    gid: int
+    #: Supplementary groups from the group database for the uid's name, not from the
+    #: peer: a kernel launched for the caller gets exactly these.
+    groups: tuple[int, ...]
+
+    @classmethod
+    def from_socket(cls, sock: socket.socket) -> Caller:
+        creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+        pid, uid, gid = struct.unpack("3i", creds)
+        return cls(pid=pid, uid=uid, gid=gid, groups=user_groups(uid, gid))
+
+
+def user_groups(uid: int, gid: int) -> tuple[int, ...]:
+    """The uid's primary group first, then its supplementary groups, from the databases.
+
+    A uid with no passwd entry (a container's arbitrary uid) gets its peer gid alone.
+    """
+    try:
+        entry = pwd.getpwuid(uid)
+    except KeyError:
+        return (gid,)
+    groups = os.getgrouplist(entry.pw_name, entry.pw_gid)
+    return (entry.pw_gid, *sorted(set(groups) - {entry.pw_gid}))
+
+
+@dataclass
+class Limits:
+    max_request: int = protocol.MAX_REQUEST
+    max_response: int = protocol.MAX_RESPONSE
+    #: Seconds a frame may take from its first byte to its last.
+    frame_timeout: float = 10.0
+    #: Seconds a connection with no request in flight may stay silent.
+    idle_timeout: float = 600.0
+    #: Seconds a reply may wait for a client that does not read.
+    write_timeout: float = 10.0
+    max_connections: int = 256
+    max_connections_per_uid: int = 16
+    #: Requests one connection may have in flight; more wait (the client's own queue).
+    max_inflight: int = 8
+    max_kernels_per_uid: int = 64
+
+
+class UnsafeDirectory(RuntimeError):
+    pass
+
+
+def check_private_dir(path: Path, *, create_mode: int) -> None:
+    """Creates `path` if missing; refuses it unless it and every parent are root's own.
+
+    A directory a non-root user can write lets that user swap the socket (and answer
+    in the agent's name) or plant records and images: the agent refuses to start.
+    Sticky world-writable parents (/tmp) are allowed: nobody else can rename our entry.
+    """
+    path = Path(os.path.abspath(path))
+    if not path.exists():
+        check_private_dir(path.parent, create_mode=0o755)
+        path.mkdir(mode=create_mode)
+        os.chown(path, 0, 0)
+        os.chmod(path, create_mode)
+    for p in (path, *path.parents):
+        st = p.lstat()
+        if stat.S_ISLNK(st.st_mode):
+            raise UnsafeDirectory(f"{p} is a symbolic link")
+        writable = st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+        sticky_parent = p != path and st.st_mode & stat.S_ISVTX
+        if st.st_uid != 0 or (writable and not sticky_parent):
+            raise UnsafeDirectory(
+                f"{p} is owned by uid {st.st_uid} with mode {stat.filemode(st.st_mode)}: "
+                "the agent's directories must be owned by root and writable by root only"
+            )
+
+
+class Service:
+    """The agent: a Unix socket server with an op registry and the kernel records."""
+
+    def __init__(
+        self, socket_path: str | Path, state_dir: str | Path, limits: Limits | None = None
+    ):
+        self.socket_path = Path(socket_path)
+        self.state_dir = Path(state_dir)
+        self.limits = limits or Limits()
+        self.kernels = KernelTable(max_per_uid=self.limits.max_kernels_per_uid)
+        self._ops: dict[str, Handler] = {}
+        self._server: asyncio.Server | None = None
+        self._connections: dict[int, int] = {}  # uid -> open connections
+        self._conn_tasks: set[asyncio.Task[Any]] = set()
+
+    # -- registry -------------------------------------------------------------------------
+
+    def register(self, name: str, handler: Handler) -> None:
+        if name in self._ops:
+            raise ValueError(f"op {name!r} is registered already")
+        self._ops[name] = handler
+
+    @property
+    def ops(self) -> list[str]:
+        return sorted(self._ops)
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        if os.geteuid() != 0:
+            raise UnsafeDirectory("the agent runs as root (it launches kernels as their users)")
+        check_private_dir(self.socket_path.parent, create_mode=0o755)
+        check_private_dir(self.state_dir, create_mode=0o700)
+        await self._clear_stale_socket()
+        self._server = await asyncio.start_unix_server(
+            self._serve, path=str(self.socket_path), limit=self.limits.max_request + 8
+        )
+        # Anyone may connect: the peer's credentials say who it is and what it may touch.
+        os.chmod(self.socket_path, 0o666)
+        log.info("agent listening on %s (ops: %s)", self.socket_path, ", ".join(self.ops))
+
+    async def _clear_stale_socket(self) -> None:
+        try:
+            st = self.socket_path.lstat()
+        except FileNotFoundError:
+            return
+        if not stat.S_ISSOCK(st.st_mode):
+            raise UnsafeDirectory(f"{self.socket_path} exists and is not a socket")
+        try:
+            _, writer = await asyncio.open_unix_connection(str(self.socket_path))
+        except OSError:
+            self.socket_path.unlink()  # left by an agent that died
+            return
+        writer.close()
+        raise UnsafeDirectory(f"an agent is serving {self.socket_path} already")
+
+    async def serve_forever(self) -> None:
+        assert self._server is not None
+        await self._server.serve_forever()
+
+    async def close(self, *, kill_kernels: bool = True) -> None:
+        if self._server is not None:
+            self._server.close()
+            with contextlib.suppress(FileNotFoundError):
+                self.socket_path.unlink()
+        for task in list(self._conn_tasks):
+            task.cancel()
+        if kill_kernels:
+            for record in self.kernels.all():
+                await record.close()
+
+    # -- connections ----------------------------------------------------------------------
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._conn_tasks.add(task)
+        sock = writer.get_extra_info("socket")
+        try:
+            caller = Caller.from_socket(sock)
+        except OSError:
+            writer.close()
+            self._conn_tasks.discard(task)
+            return
+        refusal = self._admit(caller)
+        if refusal is not None:
+            with contextlib.suppress(Exception):
+                writer.write(protocol.encode(_error(None, refusal), self.limits.max_response))
+                await asyncio.wait_for(writer.drain(), self.limits.write_timeout)
+            writer.close()
+            self._conn_tasks.discard(task)
+            return
+        self._connections[caller.uid] = self._connections.get(caller.uid, 0) + 1
+        try:
+            await Connection(self, caller, reader, writer).run()
+        except Exception:
+            log.exception("connection of uid %d failed", caller.uid)
+        finally:
+            self._connections[caller.uid] -= 1
+            if not self._connections[caller.uid]:
+                del self._connections[caller.uid]
+            writer.close()
+            self._conn_tasks.discard(task)
+
+    def _admit(self, caller: Caller) -> AgentError | None:
+        if sum(self._connections.values()) >= self.limits.max_connections:
+            return AgentError("busy", "the agent has too many connections; try again later")
+        if self._connections.get(caller.uid, 0) >= self.limits.max_connections_per_uid:
+            return AgentError(
+                "busy",
+                f"uid {caller.uid} has {self.limits.max_connections_per_uid} connections open "
+                "already, the most allowed",
+            )
+        return None
+
+    async def dispatch(
+        self, caller: Caller, request: dict[str, Any], progress: Progress
+    ) -> dict[str, Any]:
+        op = request.get("op")
+        if request.get("v") != protocol.VERSION:
+            raise AgentError(
+                "unsupported_version",
+                f"protocol version {request.get('v')!r} is not supported (this agent: "
+                f"{protocol.VERSION})",
+            )
+        if not isinstance(op, str) or op not in self._ops:
+            raise AgentError("unknown_op", f"unknown op {op!r}; known: {', '.join(self.ops)}")
+        args = request.get("args", {})
+        if not isinstance(args, dict):
+            raise AgentError("bad_request", "args must be a JSON object")
+        return await self._ops[op](caller, args, progress)
+
+
+def _error(request_id: int | None, error: AgentError) -> dict[str, Any]:
+    return {"id": request_id, "ok": False, "error": error.to_json()}
+
+
+class Connection:
+    def __init__(
+        self,
+        service: Service,
+        caller: Caller,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+    ):
+        self.service = service
+        self.limits = service.limits
+        self.caller = caller
+        self.reader = reader
+        self.writer = writer
+        self._write_lock = asyncio.Lock()
+        self._inflight: set[asyncio.Task[Any]] = set()
+        self._slots = asyncio.Semaphore(self.limits.max_inflight)
+
+    async def send(self, obj: dict[str, Any]) -> None:
+        try:
+            frame = protocol.encode(obj, self.limits.max_response)
+        except AgentError as e:
+            frame = protocol.encode(_error(obj.get("id"), e), self.limits.max_response)
+        async with self._write_lock:
+            self.writer.write(frame)
+            try:
+                await asyncio.wait_for(self.writer.drain(), self.limits.write_timeout)
+            except TimeoutError:
+                # A client that does not read its replies: cut it off.
+                self.writer.transport.abort()
+                raise ConnectionResetError("client does not read its replies") from None
+
+    async def _next_frame(self) -> dict[str, Any] | None:
+        """The next request; None when the client closed or stayed idle too long."""
+        read = asyncio.ensure_future(
+            protocol.read_frame(self.reader, self.limits.max_request, self.limits.frame_timeout)
+        )
+        try:
+            while True:
+                done, _ = await asyncio.wait({read}, timeout=self.limits.idle_timeout)
+                if done:
+                    return read.result()
+                if not self._inflight:
+                    await self.send(
+                        _error(
+                            None,
+                            AgentError(
+                                "timeout", f"idle for {self.limits.idle_timeout:g} s: closed"
+                            ),
+                        )
+                    )
+                    return None
+        finally:
+            read.cancel()
+
+    async def run(self) -> None:
+        try:
+            while True:
+                try:
+                    request = await self._next_frame()
+                except FrameError as e:
+                    await self.send(_error(None, e))
+                    return
+                if request is None:
+                    return
+                request_id = request.get("id")
+                if not isinstance(request_id, int) or isinstance(request_id, bool):
+                    await self.send(
+                        _error(None, AgentError("bad_request", "request id must be an integer"))
+                    )
+                    return
+                await self._slots.acquire()
+                task = asyncio.ensure_future(self._handle(request_id, request))
+                self._inflight.add(task)
+                task.add_done_callback(self._inflight.discard)
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            # The client is gone: its requests' results have nobody to go to. Ops that
+            # change a kernel finish anyway (a half-done dump is worse than a late one).
+            if self._inflight:
+                await asyncio.gather(*self._inflight, return_exceptions=True)
+
+    async def _handle(self, request_id: int, request: dict[str, Any]) -> None:
+        async def progress(update: dict[str, Any]) -> None:
+            with contextlib.suppress(ConnectionError):
+                await self.send({"id": request_id, "progress": update})
+
+        try:
+            result = await self.service.dispatch(self.caller, request, progress)
+            reply: dict[str, Any] = {"id": request_id, "ok": True, "result": result}
+        except AgentError as e:
+            reply = _error(request_id, e)
+        except Exception:
+            log.exception("op %r of uid %d failed", request.get("op"), self.caller.uid)
+            reply = _error(
+                request_id, AgentError("failed", "internal error in the agent (see its log)")
+            )
+        finally:
+            self._slots.release()
+        with contextlib.suppress(ConnectionError):
+            await self.send(reply)
