@@ -2,7 +2,8 @@
  * cedana-init: the process a checkpointable kernel runs under.
  *
  *   cedana-init [--pidns] [--pidfile PATH] [--die-with-parent] [--chdir DIR]
- *               [--pid-base N --pid-helper PATH] -- CMD ARGS...
+ *               [--pid-base N --pid-helper PATH]
+ *               [--user UID --gid GID [--groups G1,G2] [--cwd DIR]] -- CMD ARGS...
  *   cedana-init --keeper PIDFILE [--die-with-parent] -- CMD ARGS...
  *
  * It forks an init (the pid written to --pidfile) and stays behind as its watcher,
@@ -40,6 +41,16 @@
  * are child subreapers: a kernel's orphans (a daemon started from a notebook) become
  * their children instead of the system init's, and are killed when CMD has exited.
  *
+ * --user UID --gid GID [--groups G1,G2,...] [--cwd DIR]: the kernel (CMD) runs as that
+ * user, and nothing else does: the watcher and the init stay root, so that the namespace,
+ * its /proc and its mounts are built with privilege and root CRIU can dump the tree (a
+ * task of another uid whose /proc CRIU cannot use fails the dump). In CMD's process,
+ * as the last steps before exec: the bounding and ambient capability sets are emptied,
+ * the groups, gid and uid set (real, effective and saved), the remaining capability
+ * sets (inheritable included) cleared, the working directory changed to DIR with the
+ * user's permissions, and no_new_privs set, so that no setuid or file-capability
+ * program gives any of it back. Any step that fails stops the launch (exit 127).
+ *
  * --pid-base N --pid-helper PATH (without --pidns): before forking the init, run
  * PATH N (cedana-pidbase, which holds cap_checkpoint_restore) to move the PID cursor to N
  * when it is below: the kernel's PIDs then lie above N, away from the low PIDs a freshly
@@ -52,7 +63,10 @@
 #include <fcntl.h>
 #include <sched.h>
 #include <limits.h>
+#include <grp.h>
+#include <linux/capability.h>
 #include <sys/mount.h>
+#include <sys/syscall.h>
 #include <sys/prctl.h>
 #include <sys/stat.h>
 #include <signal.h>
@@ -69,6 +83,7 @@ static const int forwarded[] = {SIGINT, SIGTERM, SIGHUP, SIGQUIT, SIGUSR1,
 /* A signal nobody sends by hand: the watcher's parent-death notice. */
 #define PARENT_DIED (SIGRTMIN + 3)
 #define GRACE_SECONDS 3
+#define NGROUPS_MAX_HERE 256
 #define NFORWARDED (sizeof(forwarded) / sizeof(forwarded[0]))
 
 static void die(const char *what)
@@ -302,7 +317,7 @@ static void reopen_fds(void)
  * own processes, not the host's under the same numbers. Mounts made on the host later
  * still show (slave propagation); none made here leave. Then this program runs again
  * (--ns-init), so that its own mappings too are files of the new namespace. */
-static void own_proc(char **cmd, const char *chdir_to)
+static void own_proc(char **cmd, const char *chdir_to, char **user_args)
 {
 	char self[PATH_MAX];
 	ssize_t n = readlink("/proc/self/exe", self, sizeof(self) - 1);
@@ -324,7 +339,10 @@ static void own_proc(char **cmd, const char *chdir_to)
 	size_t ncmd = 0;
 	while (cmd[ncmd])
 		ncmd++;
-	char **args = calloc(ncmd + 6, sizeof(*args));
+	size_t nuser = 0;
+	while (user_args[nuser])
+		nuser++;
+	char **args = calloc(ncmd + nuser + 6, sizeof(*args));
 	if (!args)
 		die("calloc");
 	size_t k = 0;
@@ -334,13 +352,84 @@ static void own_proc(char **cmd, const char *chdir_to)
 		args[k++] = "--chdir";
 		args[k++] = (char *)chdir_to;
 	}
+	memcpy(&args[k], user_args, nuser * sizeof(*args));
+	k += nuser;
 	args[k++] = "--";
 	memcpy(&args[k], cmd, ncmd * sizeof(*args));
 	execv(self, args);
 	die(self);
 }
 
-static int run_init(char **argv, const sigset_t *set, int chdir_fd)
+struct user {
+	int set;
+	uid_t uid;
+	gid_t gid;
+	size_t ngroups;
+	gid_t groups[NGROUPS_MAX_HERE];
+	const char *cwd;
+};
+
+static unsigned long parse_id(const char *s, const char *what)
+{
+	char *end;
+	errno = 0;
+	unsigned long v = strtoul(s, &end, 10);
+	if (errno || end == s || *end || v >= 0xffffffffUL || s[0] == '-') {
+		fprintf(stderr, "cedana-init: bad %s: %s\n", what, s);
+		exit(2);
+	}
+	return v;
+}
+
+static void parse_groups(struct user *u, const char *list)
+{
+	char *copy = strdup(list), *save = NULL;
+	if (!copy)
+		die("strdup");
+	for (char *tok = strtok_r(copy, ",", &save); tok; tok = strtok_r(NULL, ",", &save)) {
+		if (u->ngroups >= NGROUPS_MAX_HERE) {
+			fprintf(stderr, "cedana-init: too many --groups\n");
+			exit(2);
+		}
+		u->groups[u->ngroups++] = (gid_t)parse_id(tok, "group");
+	}
+	free(copy);
+}
+
+/* CMD's process becomes the user's, with no capability of any kind; see --user. */
+static void drop_to_user(const struct user *u)
+{
+	if (prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0) < 0)
+		die("clear ambient capabilities");
+	for (int cap = 0; cap <= 63; cap++) {
+		if (prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) < 0 && errno != EINVAL)
+			die("drop bounding capabilities");
+	}
+	if (setgroups(u->ngroups, u->groups) < 0)
+		die("setgroups");
+	if (setresgid(u->gid, u->gid, u->gid) < 0)
+		die("setresgid");
+	if (setresuid(u->uid, u->uid, u->uid) < 0)
+		die("setresuid");
+	/* The uid change clears permitted, effective and ambient, not inheritable. */
+	struct __user_cap_header_struct hdr = {_LINUX_CAPABILITY_VERSION_3, 0};
+	struct __user_cap_data_struct data[2];
+	memset(data, 0, sizeof(data));
+	if (syscall(SYS_capset, &hdr, data) < 0)
+		die("clear capabilities");
+	if (u->cwd && chdir(u->cwd) < 0)
+		die(u->cwd);
+	if (prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) < 0)
+		die("prctl(PR_SET_NO_NEW_PRIVS)");
+	uid_t r, e, s;
+	if (getresuid(&r, &e, &s) < 0 || r != u->uid || e != u->uid || s != u->uid ||
+	    (u->uid != 0 && setuid(0) == 0)) {
+		fprintf(stderr, "cedana-init: the uid did not stick\n");
+		exit(127);
+	}
+}
+
+static int run_init(char **argv, const sigset_t *set, int chdir_fd, const struct user *user)
 {
 	/* Fails with EPERM when already a session leader (no --pidns): that is fine. */
 	setsid();
@@ -353,6 +442,8 @@ static int run_init(char **argv, const sigset_t *set, int chdir_fd)
 	if (kernel == 0) {
 		setpgid(0, 0);
 		reset_signals();
+		if (user->set)
+			drop_to_user(user);
 		execvp(argv[0], argv);
 		die(argv[0]);
 	}
@@ -391,6 +482,12 @@ int main(int argc, char **argv)
 	int pidns = 0, die_with_parent = 0, ns_init = 0;
 	const char *pidfile = NULL, *keeper = NULL, *pid_base = NULL, *pid_helper = NULL;
 	const char *chdir_to = NULL;
+	struct user user;
+	memset(&user, 0, sizeof(user));
+	int have_gid = 0;
+	/* The user options as given, for the init's run in its mount namespace (own_proc). */
+	char *user_args[9] = {NULL};
+	size_t nuser_args = 0;
 	int i = 1;
 	for (; i < argc; i++) {
 		if (strcmp(argv[i], "--pidns") == 0) {
@@ -409,6 +506,24 @@ int main(int argc, char **argv)
 			pid_helper = argv[++i];
 		} else if (strcmp(argv[i], "--chdir") == 0 && i + 1 < argc) {
 			chdir_to = argv[++i];
+		} else if ((strcmp(argv[i], "--user") == 0 || strcmp(argv[i], "--gid") == 0 ||
+			    strcmp(argv[i], "--groups") == 0 || strcmp(argv[i], "--cwd") == 0) &&
+			   i + 1 < argc && nuser_args + 2 < sizeof(user_args) / sizeof(*user_args)) {
+			const char *opt = argv[i];
+			user_args[nuser_args++] = argv[i];
+			user_args[nuser_args++] = argv[i + 1];
+			const char *val = argv[++i];
+			if (strcmp(opt, "--user") == 0) {
+				user.uid = (uid_t)parse_id(val, "--user");
+				user.set = 1;
+			} else if (strcmp(opt, "--gid") == 0) {
+				user.gid = (gid_t)parse_id(val, "--gid");
+				have_gid = 1;
+			} else if (strcmp(opt, "--groups") == 0) {
+				parse_groups(&user, val);
+			} else {
+				user.cwd = val;
+			}
 		} else if (strcmp(argv[i], "--") == 0) {
 			i++;
 			break;
@@ -418,8 +533,15 @@ int main(int argc, char **argv)
 	}
 	if (i >= argc) {
 		fprintf(stderr, "usage: cedana-init [--pidns] [--pidfile PATH] [--die-with-parent] "
-				"[--chdir DIR] [--pid-base N --pid-helper PATH] -- CMD [ARGS...]\n"
+				"[--chdir DIR] [--pid-base N --pid-helper PATH]\n"
+				"                   [--user UID --gid GID [--groups G,...] [--cwd DIR]] "
+				"-- CMD [ARGS...]\n"
 				"       cedana-init --keeper PIDFILE [--die-with-parent] -- CMD [ARGS...]\n");
+		return 2;
+	}
+	if (user.set != have_gid || (user.cwd && !user.set) || (user.set && keeper)) {
+		fprintf(stderr, "cedana-init: --user needs --gid (and --groups, --cwd need --user); "
+				"a keeper restores the image's own ids\n");
 		return 2;
 	}
 	char **cmd = &argv[i];
@@ -434,7 +556,7 @@ int main(int argc, char **argv)
 	struct watch w = {0, keeper, 0};
 	take_signals(&set);
 	if (ns_init)
-		return run_init(cmd, &set, chdir_fd);
+		return run_init(cmd, &set, chdir_fd, &user);
 	if (die_with_parent)
 		watch_parent(&w);
 
@@ -472,8 +594,8 @@ int main(int argc, char **argv)
 		/* The init is what CRIU dumps: it must carry no parent-death signal. */
 		prctl(PR_SET_PDEATHSIG, 0);
 		if (pidns)
-			own_proc(cmd, chdir_to);
-		return run_init(cmd, &set, chdir_fd);
+			own_proc(cmd, chdir_to, user_args);
+		return run_init(cmd, &set, chdir_fd, &user);
 	}
 	if (chdir_fd >= 0)
 		close(chdir_fd);
