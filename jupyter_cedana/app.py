@@ -193,7 +193,8 @@ class CedanaApp(ExtensionApp):
             await gate.close()
         if self.manager is None:
             return
-        loop_stopped = asyncio.ensure_future(self.manager.stop())
+        deadline = self.parking.deadline if self.parking is not None else 20.0
+        loop_stopped = asyncio.ensure_future(self.manager.stop(deadline))
         if self.parking is not None:
             await self.parking.park_all()
         await loop_stopped

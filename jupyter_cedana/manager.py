@@ -156,16 +156,19 @@ class SuspendManager(LoggingConfigurable):
         if orphans:
             self.log.warning("jupyter-cedana: %s", self.budget.describe(orphans))
 
-    async def stop(self) -> None:
+    async def stop(self, deadline: float = 20.0) -> None:
+        """Stop the policy loop and wait for the suspends and resumes in flight, all
+        together and `deadline` seconds at most (KernelParking.deadline: the spawners'
+        kill is configured after it); the kernels' shutdown aborts what is left."""
         if self._loop_task is not None:
             self._loop_task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._loop_task
             self._loop_task = None
         self._cancel_queued(lambda kid: True)
-        for task in list(self._tasks.values()):
-            with contextlib.suppress(BaseException):
-                await asyncio.wait_for(asyncio.shield(task), timeout=30)
+        in_flight = list(self._tasks.values())
+        if in_flight:
+            await asyncio.wait(in_flight, timeout=max(0.0, deadline))
 
     async def _run(self) -> None:
         while True:

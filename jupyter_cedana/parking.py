@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import re
 import signal
 import time
 from typing import Any
@@ -37,6 +38,7 @@ from .errors import CedanaError, Conflict, SuspendFailed
 from .limits import estimate_image_bytes, gpu_bytes
 from .parkrecords import ParkingLock, set_server_facts, wait_for_parkers
 from .provisioner import CedanaProvisioner, KernelState
+from .timestamps import iso
 
 __all__ = ["KernelParking"]
 
@@ -342,11 +344,13 @@ class KernelParking(LoggingConfigurable):
                 # others stop where they are: a cancelled dump leaves the kernel running.
                 if not task.done() and kid not in recording:
                     task.cancel()
+            late = f"not parked within the deadline of {self.deadline:.0f} s"
             for kid, task in tasks.items():
                 try:
                     outcome[kid] = await task
                 except asyncio.CancelledError:
-                    outcome[kid] = f"not parked within the deadline of {self.deadline:.0f} s"
+                    km, prov = next((k, p) for i, k, p in candidates if i == kid)
+                    outcome[kid] = await self._give_back(kid, km, prov, late) or late
                 except CedanaError as e:
                     outcome[kid] = e.message
                 except Exception as e:
@@ -354,17 +358,69 @@ class KernelParking(LoggingConfigurable):
         finally:
             lock.release()
         for kid, what in outcome.items():
-            if what not in ("parked", _IMAGE_KEPT):
+            if what not in ("parked", _IMAGE_KEPT) and not what.startswith(_GIVEN_BACK):
+                # A suspend's refusal says the kernel keeps running: at stop it does not.
+                what = _RUNS_ON.sub("", what).rstrip(" .;,")
                 self.log.warning(
-                    "jupyter-cedana: kernel %s not parked (%s): it is shut down", kid, what
+                    "jupyter-cedana: kernel %s not parked (%s): it is shut down with the "
+                    "server, and what it held in memory is lost",
+                    kid,
+                    what,
                 )
+                outcome[kid] = what
         self.log.info(
             "jupyter-cedana: parked %d of %d kernel(s) in %.2f s",
-            sum(1 for w in outcome.values() if w == "parked"),
+            sum(1 for w in outcome.values() if w == "parked" or w.startswith(_GIVEN_BACK)),
             len(outcome),
             time.monotonic() - t0,
         )
         return outcome
+
+    async def _give_back(self, kid: str, km: Any, prov: CedanaProvisioner, late: str) -> str | None:
+        """A kernel being restored from its image when the deadline came: its image and
+        record are complete, so it is parked as it was at that checkpoint, rather than
+        shut down with its image deleted. A whole restore is abandoned (the kernel has
+        not run since its suspend: nothing is lost); a kernel whose memory was still
+        coming in (a lazy restore) is stopped, and what it did since its resume is lost.
+        The outcome, or None when the kernel has no complete image to go back to."""
+        if prov.transition_in_flight == "resume" and self._store.exists(kid):
+            await prov._abort_transition("the server is stopping")  # back to suspended
+            if not self._on_disk(kid, prov):
+                return None
+            self.log.info("jupyter-cedana: kernel %s: its restore was abandoned: %s", kid, late)
+            return await self._park_one(kid, km, prov, asyncio.Semaphore(1), set())
+        loading = prov._loading
+        if loading is None or prov.held_record is None or not self._store.exists(kid):
+            return None
+        resumed = prov.resumed_at
+        # The load kills the kernel and keeps its image (state failed), with this reason.
+        loading.cancel("the server stopped before its memory was all in")
+        with contextlib.suppress(BaseException):
+            await loading
+        if not self._on_disk(kid, prov):
+            return None
+        taken = self._store.read_manifest(kid).get("created")
+        try:
+            record = await prov.record()
+            # The next server says what was lost (adoption.py: _rolled_back).
+            record["resumed_at"] = resumed
+            await asyncio.to_thread(prov.hold_record, record)
+        except Exception as e:
+            self.log.warning(
+                "jupyter-cedana: kernel %s: its record could not be brought up to date (%s); "
+                "it is parked with the record written when it was resumed",
+                kid,
+                e,
+            )
+        self._detach(kid, km, prov)
+        what = (
+            f"{_GIVEN_BACK} ({late} while its memory was coming in from its image): it was "
+            f"stopped, and its image and record are kept; the next server gives it back as "
+            f"it was at its checkpoint taken at {iso(taken)}, and what it did after its "
+            f"resume at {iso(resumed)} is lost"
+        )
+        self.log.warning("jupyter-cedana: kernel %s %s", kid, what)
+        return what
 
     async def _server_facts(self, kid: str) -> dict[str, Any]:
         """This server's part of a kernel's record (parkrecords.server_facts)."""
@@ -504,3 +560,5 @@ class KernelParking(LoggingConfigurable):
 
 
 _IMAGE_KEPT = "image kept, no record"
+_GIVEN_BACK = "parked at its checkpoint"
+_RUNS_ON = re.compile(r"[;,]? (and )?the kernel keeps running|\(the kernel keeps running\)")

@@ -221,12 +221,9 @@ def test_parking_without_room_for_the_record_keeps_the_image(
         assert execute(b, kid, "print(x + 2)")["stdout"].strip() == "43"
 
 
-def test_a_server_killed_mid_lazy_resume_gives_back_the_checkpoint_and_says_so(
-    tmp_path: Path, servers: list[Server]
-) -> None:
-    """A lazily resumed kernel runs while its memory comes in; its image and record stay
-    until then. A server killed meanwhile takes the kernel with it; the next server gives
-    back the kernel as it was at its checkpoint, and says what was lost."""
+def held_lazy_restores(tmp_path: Path) -> tuple[Path, tuple[str, ...]]:
+    """Server options for restores that are all lazy, with a page server whose transfer
+    holds while the returned file exists (the kernel runs on pages served on demand)."""
     hold = tmp_path / "hold-transfer"
     wrapper = tmp_path / "cedana-pages"
     wrapper.write_text(f'#!/bin/sh\nexec {PAGES} --pause-file {hold} "$@"\n')
@@ -235,6 +232,16 @@ def test_a_server_killed_mid_lazy_resume_gives_back_the_checkpoint_and_says_so(
         "--CheckpointEngine.lazy_restore_min_bytes=0",
         f"--CheckpointEngine.pages_path={wrapper}",
     )
+    return hold, lazy
+
+
+def test_a_server_killed_mid_lazy_resume_gives_back_the_checkpoint_and_says_so(
+    tmp_path: Path, servers: list[Server]
+) -> None:
+    """A lazily resumed kernel runs while its memory comes in; its image and record stay
+    until then. A server killed meanwhile takes the kernel with it; the next server gives
+    back the kernel as it was at its checkpoint, and says what was lost."""
+    hold, lazy = held_lazy_restores(tmp_path)
     a, root, kid = server_with_kernel(
         tmp_path, servers, "import numpy as np; a = np.arange(4 << 20); x = 1", *lazy
     )

@@ -375,6 +375,13 @@ def test_disk_full_while_parking(tmp_path: Path, servers: list[Server]) -> None:
         log = stop_with(a, signal.SIGTERM)
         # Refused before its dump, as the policy's suspends are: its estimate does not fit.
         assert f"kernel {big} not parked (Not enough free space on the checkpoint disk" in log
+        # What the log says happened to it is what happened (the refusal's own words are
+        # those of a suspend, after which a kernel runs on).
+        said = next(line for line in log.splitlines() if f"kernel {big} not parked" in line)
+        assert "keeps running" not in said, said
+        assert said.endswith(
+            "): it is shut down with the server, and what it held in memory is lost"
+        ), said
         assert "parked 2 of 3 kernel(s)" in log
         assert gone(watched) == []
         assert set(records(root)) == {small1, small2}
