@@ -11,6 +11,10 @@ cedana-provisioner's launch_kernel calls `claim_adoption`, which hands it the sa
 connection info instead of launching a process. The next message to the kernel resumes it
 from its image like any suspended kernel.
 
+Nobody holds a parked kernel's ports between the two servers: a port taken meanwhile is
+moved to a free one in the image and in the connection info (portremap.py) before the
+kernel is adopted.
+
 The record stays while the kernel is suspended, locked by the adopting server (the
 provisioner holds the lock): another live server skips it as busy, and if this server is
 killed the lock goes with it and the next server adopts the kernel again.
@@ -32,6 +36,7 @@ from jupyter_client.provisioning import KernelProvisionerFactory
 from jupyter_core.utils import ensure_async
 from tornado import web
 
+from . import portremap
 from .checkpoint import CheckpointStore
 from .errors import CedanaError, CheckpointCorrupt, NotFound
 from .parkrecords import (
@@ -247,7 +252,10 @@ class Adopter:
         if why:
             return self._skip(kid, f"{why}; left for 'jupyter cedana gc'")
         try:
+            if self.store.exists(kid):
+                portremap.finish(self.store, kid)  # a remap cut short by a crash
             manifest = await self._check_image(kid)
+            manifest = self._free_ports(kid, record, manifest, held)
         except NotFound:
             remove_record(path)
             return self._skip(
@@ -257,6 +265,34 @@ class Adopter:
             return self._skip(kid, f"{e.message}; left for 'jupyter cedana gc'")
         await self._start(kid, record, manifest, held)
         return None
+
+    def _free_ports(
+        self, kid: str, record: dict[str, Any], manifest: dict[str, Any], held: HeldRecord
+    ) -> dict[str, Any]:
+        """Nobody held the kernel's ports since its server stopped: any taken meanwhile is
+        moved to a free one, in its image and in the connection info its clients get.
+        Returns the image's manifest as it is now."""
+        moved = portremap.remap_taken(self.store, kid)
+        info = record["connection_info"] = portremap.current_ports(
+            self.store, kid, record["connection_info"]
+        )
+        if not moved:
+            return manifest
+        self.log.warning(
+            "jupyter-cedana: parked kernel %s: port(s) %s taken since its server stopped; "
+            "moved to %s (its clients get the new connection info)",
+            kid,
+            ", ".join(map(str, moved)),
+            ", ".join(map(str, moved.values())),
+        )
+        try:
+            held.replace({**record, "connection_info": info})
+        except OSError as e:
+            # The image's map of ports says where they went (portremap.current_ports).
+            self.log.warning(
+                "jupyter-cedana: parked kernel %s: its record keeps the old ports: %s", kid, e
+            )
+        return self.store.read_manifest(kid)
 
     def _retention_since(self, record: dict[str, Any]) -> Stamp | float | None:
         """When the kernel's retention began: its image's making, on the boot clock
