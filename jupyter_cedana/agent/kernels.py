@@ -139,6 +139,8 @@ class KernelRecord:
             raise AgentError(
                 "conflict", f"kernel {self.kernel_id} is {self.state.value}: no process to signal"
             )
+        if self.init_pid <= 0:
+            raise AgentError("conflict", f"kernel {self.kernel_id} has no process yet")
         with contextlib.suppress(ProcessLookupError):  # it exited: poll() will say so
             # SIGKILL to PID 1 ends the whole namespace; others are forwarded by the init.
             os.kill(self.init_pid, signum)
@@ -147,6 +149,8 @@ class KernelRecord:
         """Kills the kernel (agent shutdown, or a failed launch) and stops its tasks."""
         if self.process is not None and self.process.returncode is None:
             for pid in (self.init_pid, self.process.pid):
+                if pid <= 0:
+                    continue  # 0 would be the agent's own process group
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
             await self.process.wait()

@@ -128,6 +128,7 @@ class Service:
         self._server: asyncio.Server | None = None
         self._connections: dict[int, int] = {}  # uid -> open connections
         self._conn_tasks: set[asyncio.Task[Any]] = set()
+        self._writers: set[asyncio.StreamWriter] = set()
 
     # -- registry -------------------------------------------------------------------------
 
@@ -179,8 +180,12 @@ class Service:
             self._server.close()
             with contextlib.suppress(FileNotFoundError):
                 self.socket_path.unlink()
-        for task in list(self._conn_tasks):
-            task.cancel()
+        # Aborting the transports ends each connection's loop; cancelling its task would
+        # leave asyncio's stream callback to log the cancellation as an error.
+        for writer in list(self._writers):
+            writer.transport.abort()
+        if self._conn_tasks:
+            await asyncio.wait(set(self._conn_tasks), timeout=5)
         if kill_kernels:
             for record in self.kernels.all():
                 await record.close()
@@ -207,6 +212,7 @@ class Service:
             self._conn_tasks.discard(task)
             return
         self._connections[caller.uid] = self._connections.get(caller.uid, 0) + 1
+        self._writers.add(writer)
         try:
             await Connection(self, caller, reader, writer).run()
         except Exception:
@@ -215,6 +221,7 @@ class Service:
             self._connections[caller.uid] -= 1
             if not self._connections[caller.uid]:
                 del self._connections[caller.uid]
+            self._writers.discard(writer)
             writer.close()
             self._conn_tasks.discard(task)
 

@@ -1,0 +1,182 @@
+"""The one client of the agent: what the server side (and the tests) use.
+
+One connection carries any number of requests at once; replies are matched by id.
+Errors come back as `AgentError` with the agent's code.
+
+    async with await AgentClient.connect() as agent:
+        pid = (await agent.launch(kernel_id, argv, env, cwd))["pid"]
+
+`python -m jupyter_cedana.agent.client OP [JSON-ARGS]` sends one request and prints the
+reply as JSON (exit status 1 on an error reply).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import sys
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from . import protocol
+from .protocol import AgentError
+
+ProgressCallback = Callable[[dict[str, Any]], Awaitable[None] | None]
+
+
+class AgentClient:
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
+        self._reader = reader
+        self._writer = writer
+        self._ids = itertools.count(1)
+        self._pending: dict[int, asyncio.Future[dict[str, Any]]] = {}
+        self._progress: dict[int, ProgressCallback] = {}
+        self._closed: BaseException | None = None
+        self._write_lock = asyncio.Lock()
+        self._task = asyncio.get_running_loop().create_task(self._read_loop())
+
+    @classmethod
+    async def connect(cls, path: str = protocol.DEFAULT_SOCKET) -> AgentClient:
+        reader, writer = await asyncio.open_unix_connection(path, limit=protocol.MAX_RESPONSE + 8)
+        return cls(reader, writer)
+
+    async def __aenter__(self) -> AgentClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        self._writer.close()
+        with contextlib.suppress(Exception):
+            await self._writer.wait_closed()
+        self._task.cancel()
+        with contextlib.suppress(BaseException):
+            await self._task
+
+    async def _read_loop(self) -> None:
+        try:
+            while True:
+                frame = await protocol.read_frame(self._reader, protocol.MAX_RESPONSE, 30.0)
+                if frame is None:
+                    raise ConnectionResetError("the agent closed the connection")
+                rid = frame.get("id")
+                if "progress" in frame:
+                    callback = self._progress.get(rid) if isinstance(rid, int) else None
+                    if callback is not None:
+                        result = callback(frame["progress"])
+                        if asyncio.iscoroutine(result):
+                            await result
+                    continue
+                future = self._pending.pop(rid, None) if isinstance(rid, int) else None
+                if future is None:
+                    # A reply to no request: the agent refused the connection (busy) or
+                    # the stream (a bad frame). It closes next; everyone waiting gets it.
+                    error = frame.get("error") or {}
+                    raise AgentError(error.get("code", "failed"), error.get("message", ""))
+                if not future.done():
+                    future.set_result(frame)
+        except BaseException as e:  # handed to every waiter, cancellation at close included
+            self._closed = e
+            for future in self._pending.values():
+                if not future.done():
+                    future.set_exception(
+                        e
+                        if isinstance(e, AgentError | ConnectionError)
+                        else ConnectionResetError(str(e))
+                    )
+            self._pending.clear()
+
+    async def request(
+        self,
+        op: str,
+        args: dict[str, Any] | None = None,
+        progress: ProgressCallback | None = None,
+    ) -> dict[str, Any]:
+        if self._closed is not None:
+            if isinstance(self._closed, AgentError):
+                raise self._closed
+            raise ConnectionResetError("the connection to the agent is closed")
+        rid = next(self._ids)
+        future: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        self._pending[rid] = future
+        if progress is not None:
+            self._progress[rid] = progress
+        try:
+            frame = protocol.encode(
+                {"v": protocol.VERSION, "id": rid, "op": op, "args": args or {}},
+                protocol.MAX_REQUEST,
+            )
+            async with self._write_lock:
+                self._writer.write(frame)
+                await self._writer.drain()
+            reply = await future
+        finally:
+            self._pending.pop(rid, None)
+            self._progress.pop(rid, None)
+        if reply.get("ok"):
+            result = reply.get("result")
+            return result if isinstance(result, dict) else {}
+        error = reply.get("error") or {}
+        raise AgentError(error.get("code", "failed"), error.get("message", "no message"))
+
+    # -- the ops, typed -------------------------------------------------------------------
+
+    async def hello(self) -> dict[str, Any]:
+        return await self.request("hello")
+
+    async def launch(
+        self, kernel_id: str, argv: list[str], env: dict[str, str], cwd: str
+    ) -> dict[str, Any]:
+        return await self.request(
+            "launch", {"kernel_id": kernel_id, "argv": argv, "env": env, "cwd": cwd}
+        )
+
+    async def list(self) -> list[dict[str, Any]]:
+        kernels = (await self.request("list")).get("kernels", [])
+        return kernels if isinstance(kernels, list) else []
+
+    async def poll(self, kernel_id: str) -> int | None:
+        code = (await self.request("poll", {"kernel_id": kernel_id})).get("returncode")
+        return code if isinstance(code, int) else None
+
+    async def signal(self, kernel_id: str, signum: int) -> None:
+        await self.request("signal", {"kernel_id": kernel_id, "signum": int(signum)})
+
+    async def wait(self, kernel_id: str, timeout: float) -> int | None:
+        reply = await self.request("wait", {"kernel_id": kernel_id, "timeout": timeout})
+        code = reply.get("returncode")
+        return code if isinstance(code, int) else None
+
+    async def release(self, kernel_id: str) -> None:
+        await self.request("release", {"kernel_id": kernel_id})
+
+    async def log(self, kernel_id: str, nbytes: int | None = None) -> str:
+        args: dict[str, Any] = {"kernel_id": kernel_id}
+        if nbytes is not None:
+            args["bytes"] = nbytes
+        return str((await self.request("log", args)).get("text", ""))
+
+
+async def _main(argv: list[str]) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m jupyter_cedana.agent.client")
+    parser.add_argument("--socket", default=protocol.DEFAULT_SOCKET)
+    parser.add_argument("op")
+    parser.add_argument("args", nargs="?", default="{}", help="the op's arguments, JSON")
+    ns = parser.parse_args(argv)
+    async with await AgentClient.connect(ns.socket) as agent:
+        try:
+            result = await agent.request(ns.op, json.loads(ns.args))
+        except AgentError as e:
+            print(json.dumps({"ok": False, "error": e.to_json()}))
+            return 1
+    print(json.dumps({"ok": True, "result": result}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(asyncio.run(_main(sys.argv[1:])))
