@@ -29,11 +29,20 @@ import socket
 import struct
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from .crimg import decode
-from .integrity import CHUNK_SIZE, ChunkHasher, drop_written, is_page_file, start_writeback
+from .crimg import PAGE_SIZE, ImageError, decode
+from .incremental import DIGEST_SIZE, DeltaResult, DeltaStream, PageIndex, finish_delta, page_digest
+from .integrity import (
+    CHUNK_SIZE,
+    ChunkHasher,
+    chunk_crcs,
+    drop_written,
+    is_page_file,
+    start_writeback,
+)
 
 SOCKET_NAME = "streamer-capture.sock"  # CRIU's img-streamer.c
 _BUF = 4 << 20
@@ -91,6 +100,8 @@ class _Sink:
         self.writing = 0  # buffers of it handed to the writers and not yet written
         self.buf: mmap.mmap | None = None
         self.fill = 0
+        self.delta = DeltaStream()  # a dump on a base: each page's digest, and if written
+        self.carry = b""  # a delta's part of a page read, until the rest comes
 
     @property
     def size(self) -> int:
@@ -118,8 +129,13 @@ class ImageCapture:
         direct: bool = True,
         writers: int | None = None,
         writeback_step: int = _WRITEBACK_STEP,
+        base: PageIndex | None = None,
     ):
         self._dir = directory
+        # On a base, only pages whose content the base lacks are written (incremental.py).
+        self._base = base
+        self._hashers = ThreadPoolExecutor(2, "cedana-capture-h") if base is not None else None
+        self.delta: DeltaResult | None = None
         self._step = writeback_step
         self._chunk_size = chunk_size
         self._zeros = bytes(chunk_size)
@@ -141,6 +157,7 @@ class ImageCapture:
             for i in range(writers)
         ]
         self.sums: dict[str, tuple[int, list[int]]] = {}
+        self._streams: dict[str, DeltaStream] = {}
         self.zero_bytes = 0
         self.direct_files = 0
         self.error: str | None = None
@@ -179,9 +196,21 @@ class ImageCapture:
             w.join()
         os.close(self._wake_r)
         os.close(self._wake_w)
+        if self._hashers is not None:
+            self._hashers.shutdown()
         with contextlib.suppress(OSError):
             (self._dir / SOCKET_NAME).unlink()
+        if self.error is None and self._base is not None:
+            self._finish_delta(self._base)
         return self.sums if self.error is None else {}
+
+    def _finish_delta(self, base: PageIndex) -> None:
+        try:
+            self.delta = finish_delta(self._dir, base, self._streams)
+            for name in self.delta.rebuilt:
+                self.sums[name] = chunk_crcs(self._dir / name, self._chunk_size)
+        except (OSError, ImageError) as e:
+            self._fail(f"making the image a delta on its base: {e}")
 
     def _fail(self, why: str) -> None:
         if self.error is None:
@@ -305,7 +334,9 @@ class ImageCapture:
         while True:
             if sink.buf is None:
                 sink.buf = self._take_buffer()
-                sink.fill = 0
+                sink.fill = len(sink.carry)
+                sink.buf[: sink.fill] = sink.carry
+                sink.carry = b""
             try:
                 n = os.readv(sink.rfd, [memoryview(sink.buf)[sink.fill :]])
             except BlockingIOError:
@@ -333,6 +364,9 @@ class ImageCapture:
     def _hand_to_writer(self, sink: _Sink) -> None:
         """Chunk CRCs and zero chunks of a full buffer, then the writer writes it."""
         assert sink.buf is not None
+        if self._base is not None:
+            self._hand_delta(sink, self._base)
+            return
         size, n, offset = self._chunk_size, sink.fill, sink.size
         view = memoryview(sink.buf)[:n]
         seen = len(sink.hasher.maybe_zero)
@@ -351,13 +385,57 @@ class ImageCapture:
         self._writes.put((sink, offset, sink.buf, n, zero))
         sink.buf = None
 
+    def _hand_delta(self, sink: _Sink, base: PageIndex) -> None:
+        """On a base: each whole page of the buffer hashed (on two threads: hashlib lets
+        go of the GIL), the pages the base has nowhere dropped from it, the rest packed
+        to its front and written after what the file holds."""
+        assert sink.buf is not None and self._hashers is not None
+        buf, n = sink.buf, sink.fill
+        whole = n - n % PAGE_SIZE
+        sink.carry = bytes(buf[whole:n])  # put at the start of the next buffer
+        view = memoryview(buf)
+        pages = whole // PAGE_SIZE
+        half = pages // 2
+        parts = self._hashers.map(
+            lambda r: b"".join(page_digest(view[i * PAGE_SIZE : (i + 1) * PAGE_SIZE]) for i in r),
+            (range(0, half), range(half, pages)),
+        )
+        digests = b"".join(parts)
+        known = base.where
+        kept = bytes(
+            digests[i * DIGEST_SIZE : (i + 1) * DIGEST_SIZE] not in known for i in range(pages)
+        )
+        sink.delta.digests += digests
+        sink.delta.kept += kept
+        out = 0
+        for i in range(pages):  # packed in place: a page only ever moves down
+            if kept[i]:
+                if out != i:
+                    view[out * PAGE_SIZE : (out + 1) * PAGE_SIZE] = view[
+                        i * PAGE_SIZE : (i + 1) * PAGE_SIZE
+                    ]
+                out += 1
+        offset = sink.size
+        sink.hasher.update(view[: out * PAGE_SIZE])
+        view.release()
+        sink.buf = None
+        if not out:
+            self._pool.put(buf)
+            return
+        with self._written:
+            sink.writing += 1
+        self._writes.put((sink, offset, buf, out * PAGE_SIZE, set()))
+
     def _end_file(self, sink: _Sink) -> None:
         os.close(sink.rfd)
         if sink.pages:
             if sink.buf is not None:
                 self._pool.put(sink.buf)
                 sink.buf = None
+            if sink.carry:
+                raise CaptureFailed(f"{sink.name}: CRIU's stream ended mid-page")
             self.sums[sink.name] = (sink.size, sink.hasher.crcs())
+            self._streams[sink.name] = sink.delta
             self._writes.put((sink, sink.size, None, 0, set()))  # closes it, after its writes
         else:
             sink.close()

@@ -33,6 +33,10 @@ from .timestamps import stamp
 __all__ = ["CheckpointStore", "validate_kernel_id"]
 
 MANIFEST = "manifest.json"
+# An incremental image holds its base (the image before it, which may have a base too)
+# in this directory, its files hard links to the ones of that image: a suspend replaces
+# the kernel's image with one rename, whole chain included (docs/incremental.md).
+BASE_NAME = "base"
 # 2: page files carry per-chunk CRC tables (lazy restore checks pages as it serves them);
 # images of format 1 (one CRC per file) are still read, and restored eagerly.
 FORMAT_VERSION = 2
@@ -172,21 +176,54 @@ class CheckpointStore:
             shutil.rmtree(tmp, ignore_errors=True)
         _stop_writing(tmp)
 
+    def link_base(self, kernel_id: str, tmp: Path) -> Path | None:
+        """The kernel's image (and its chain of bases), hard-linked into `tmp`/base for a
+        dump to be made a delta on: no byte copied, and the image in place stays whole
+        until commit() replaces it. None when there is no image."""
+        src = self.path(kernel_id)
+        if not (src / MANIFEST).is_file():
+            return None
+        dst = tmp / BASE_NAME
+        try:
+            for dirpath, dirs, files in os.walk(src):
+                here = dst / os.path.relpath(dirpath, src)
+                here.mkdir(mode=0o700, exist_ok=True)
+                for name in [*dirs, *files]:
+                    path = os.path.join(dirpath, name)
+                    if os.path.islink(path):
+                        os.symlink(os.readlink(path), here / name)
+                    elif name in files:
+                        os.link(path, here / name)
+        except OSError:
+            shutil.rmtree(dst, ignore_errors=True)
+            raise
+        return dst
+
     def commit(
         self,
         kernel_id: str,
         tmp: Path,
         manifest: dict[str, Any],
         known: dict[str, tuple[int, list[int]]] | None = None,
+        delta: bool = False,
     ) -> dict[str, Any]:
         """Checksum every image file: page files by chunk, into a table beside them
         (reusing `known` (size, chunk CRCs) of a page file hashed while it was written, if
         the size still matches), the others whole; write the manifest, and rename the
         directory into place.
 
+        `delta`: the image is incremental on tmp/base (link_base), which it keeps; else a
+        base linked there is dropped.
+
         Returns only once the image is durable (files, directory and rename fsynced): the
         caller kills the kernel next, and the machine may go away right after."""
         t0 = time.monotonic()
+        held_below = 0
+        if delta:
+            below = json.loads((tmp / BASE_NAME / MANIFEST).read_text())
+            held_below = int(below.get("held_bytes") or below.get("total_bytes") or 0)
+        else:
+            shutil.rmtree(tmp / BASE_NAME, ignore_errors=True)
         files: dict[str, dict[str, Any]] = {}
         total = 0
         entries = sorted(e for e in tmp.iterdir() if e.is_file() and e.name != MANIFEST)
@@ -220,6 +257,9 @@ class CheckpointStore:
             "host": socket.gethostname(),
             "files": files,
             "total_bytes": total,
+            # What the image holds on disk, its bases included.
+            "held_bytes": total + held_below,
+            **({"base": BASE_NAME} if delta else {}),
         }
         timings = manifest.setdefault("timings", {})
         timings["checksum_s"] = checksum_s
@@ -261,20 +301,52 @@ class CheckpointStore:
         """The cheap half of verify(): every file there with its size. CRIU must never see
         a truncated page file (it retries the short read forever)."""
         manifest = self.read_manifest(kernel_id)
-        base = self.path(kernel_id)
-        for name, meta in manifest["files"].items():
+        for base, layer, prefix in self.layers(kernel_id, manifest):
+            for name, meta in layer["files"].items():
+                try:
+                    size = (base / name).stat().st_size
+                except FileNotFoundError:
+                    raise CheckpointCorrupt(
+                        f"Checkpoint of {kernel_id} is incomplete: {prefix}{name} is missing"
+                    ) from None
+                if size != meta["size"]:
+                    raise CheckpointCorrupt(
+                        f"Checkpoint of {kernel_id} is truncated or damaged: {prefix}{name} "
+                        f"has {size} bytes, expected {meta['size']}"
+                    )
+        return manifest
+
+    def layers(
+        self, kernel_id: str, manifest: dict[str, Any]
+    ) -> list[tuple[Path, dict[str, Any], str]]:
+        """(directory, manifest, name prefix) of the image and of each of its bases."""
+        where = self.path(kernel_id)
+        out = [(where, manifest, "")]
+        prefix = ""
+        while manifest.get("base"):
+            where = where / BASE_NAME
+            prefix += BASE_NAME + "/"
             try:
-                size = (base / name).stat().st_size
+                manifest = json.loads((where / MANIFEST).read_text())
             except FileNotFoundError:
                 raise CheckpointCorrupt(
-                    f"Checkpoint of {kernel_id} is incomplete: {name} is missing"
+                    f"Checkpoint of {kernel_id} is incomplete: its base {prefix} is missing"
                 ) from None
-            if size != meta["size"]:
+            except (OSError, ValueError) as e:
                 raise CheckpointCorrupt(
-                    f"Checkpoint of {kernel_id} is truncated or damaged: {name} has "
-                    f"{size} bytes, expected {meta['size']}"
+                    f"Checkpoint of {kernel_id} is damaged: the manifest of its base "
+                    f"{prefix} is unreadable: {e}"
+                ) from e
+            if (
+                not isinstance(manifest, dict)
+                or manifest.get("format") not in READABLE_FORMATS
+                or manifest.get("kernel_id") != kernel_id
+            ):
+                raise CheckpointCorrupt(
+                    f"Checkpoint of {kernel_id} is damaged: its base {prefix} is not its own"
                 )
-        return manifest
+            out.append((where, manifest, prefix))
+        return out
 
     def verify(
         self, kernel_id: str, progress: Callable[[int, int], None] | None = None
@@ -282,8 +354,7 @@ class CheckpointStore:
         """Check sizes, then checksums: a damaged image is never let run.
         `progress(bytes_done, bytes_total)` follows the checksum pass."""
         manifest = self.check_sizes(kernel_id)
-        base = self.path(kernel_id)
-        total = int(manifest.get("total_bytes") or 0)
+        total = int(manifest.get("held_bytes") or manifest.get("total_bytes") or 0)
         done = 0
 
         def advance(n: int) -> None:
@@ -292,24 +363,31 @@ class CheckpointStore:
             if progress is not None:
                 progress(done, total)
 
-        # Chunk tables before the page files they describe.
-        for name, meta in sorted(manifest["files"].items(), key=lambda kv: "chunks" in kv[1]):
-            if "chunks" in meta:
-                bad = self._bad_chunk(kernel_id, manifest, name, advance)
-                if bad is not None:
-                    raise CheckpointCorrupt(self._bad_chunk_message(kernel_id, name, meta, bad))
-            elif file_crc32(base / name, advance) != meta["crc32"]:
-                raise CheckpointCorrupt(
-                    f"Checkpoint of {kernel_id} is corrupted: checksum mismatch in {name}"
-                )
+        for base, layer, prefix in self.layers(kernel_id, manifest):
+            # Chunk tables before the page files they describe.
+            files = sorted(layer["files"].items(), key=lambda kv: "chunks" in kv[1])
+            for name, meta in files:
+                if "chunks" in meta:
+                    bad = self._bad_chunk_in(base, kernel_id, layer, name, advance)
+                    if bad is not None:
+                        raise CheckpointCorrupt(
+                            self._bad_chunk_message(kernel_id, prefix + name, meta, bad)
+                        )
+                elif file_crc32(base / name, advance) != meta["crc32"]:
+                    raise CheckpointCorrupt(
+                        f"Checkpoint of {kernel_id} is corrupted: checksum mismatch in "
+                        f"{prefix}{name}"
+                    )
         return manifest
 
-    def chunk_table(self, kernel_id: str, manifest: dict[str, Any], name: str) -> list[int]:
+    def chunk_table(
+        self, kernel_id: str, manifest: dict[str, Any], name: str, where: Path | None = None
+    ) -> list[int]:
         """The chunk CRCs of page file `name`, from its table (whose own CRC the caller
-        has checked, e.g. by verify_small_files)."""
+        has checked, e.g. by verify_small_files); in `where` (a base) if given."""
         meta = manifest["files"][name]
         try:
-            chunk_size, size, crcs = read_table(self.path(kernel_id) / meta["chunks"])
+            chunk_size, size, crcs = read_table((where or self.path(kernel_id)) / meta["chunks"])
         except (OSError, ValueError) as e:
             raise CheckpointCorrupt(f"Checkpoint of {kernel_id} is damaged: {e}") from e
         if chunk_size != meta["chunk_size"] or size != meta["size"]:
@@ -347,9 +425,20 @@ class CheckpointStore:
         advance: Callable[[int], None] | None,
         only: set[int] | None = None,
     ) -> int | None:
-        crcs = self.chunk_table(kernel_id, manifest, name)
+        return self._bad_chunk_in(self.path(kernel_id), kernel_id, manifest, name, advance, only)
+
+    def _bad_chunk_in(
+        self,
+        where: Path,
+        kernel_id: str,
+        manifest: dict[str, Any],
+        name: str,
+        advance: Callable[[int], None] | None,
+        only: set[int] | None = None,
+    ) -> int | None:
+        crcs = self.chunk_table(kernel_id, manifest, name, where)
         chunk_size = manifest["files"][name]["chunk_size"]
-        return first_bad_chunk(self.path(kernel_id) / name, chunk_size, crcs, advance, only)
+        return first_bad_chunk(where / name, chunk_size, crcs, advance, only)
 
     @staticmethod
     def _bad_chunk_message(kernel_id: str, name: str, meta: dict[str, Any], bad: int) -> str:
@@ -406,7 +495,8 @@ class CheckpointStore:
 
     def size_of(self, kernel_id: str) -> int:
         try:
-            return int(self.read_manifest(kernel_id)["total_bytes"])
+            manifest = self.read_manifest(kernel_id)
+            return int(manifest.get("held_bytes") or manifest["total_bytes"])
         except (NotFound, CheckpointCorrupt):
             return 0
 

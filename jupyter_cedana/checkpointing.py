@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import shutil
 import time
 from collections.abc import Awaitable
 from typing import Any
 
+from .checkpoint import BASE_NAME
 from .crimg import ImageError, dump_breakdown, mark_lazy
 from .cuda import CudaStateLeft
 from .dumping import DumpResult, dir_bytes
@@ -28,6 +30,7 @@ from .errors import (
     NotCheckpointable,
     SuspendFailed,
 )
+from .incremental import INDEX_NAME, PageIndex
 from .pids import task_ids
 from .proctree import process_tree
 from .restoring import Restoring
@@ -132,7 +135,8 @@ class Checkpointing(Restoring):
         tmp = None
         try:
             tmp = store.begin(kid)  # a full disk fails here, after the offload: undo it
-            dumped = await engine.dump(self.pid or 0, tmp, progress=self._set_progress)
+            base = await asyncio.to_thread(self._base_for, tmp) if engine.keep_base else None
+            dumped = await engine.dump(self.pid or 0, tmp, progress=self._set_progress, base=base)
             if self.image_guard is not None:
                 self.image_guard(kid, dir_bytes(tmp))
         except BaseException as e:
@@ -145,6 +149,22 @@ class Checkpointing(Restoring):
         return await _uncancellable(
             self._commit_dump(tmp, pids, gpu, gpu_state, from_offload, dumped, t0)
         )
+
+    def _base_for(self, tmp: Any) -> PageIndex | None:
+        """The kernel's kept image, linked into `tmp`, with the index of its pages, for
+        the dump to write only what changed; None (a whole image) when there is none, or
+        its index is not made yet (it is made while the kernel runs after its resume)."""
+        store = self.engine.store
+        kid = self.kernel_id_str
+        if not (store.path(kid) / INDEX_NAME).exists():
+            return None
+        try:
+            linked = store.link_base(kid, tmp)
+            return PageIndex.load(linked) if linked is not None else None
+        except (OSError, ImageError) as e:
+            self.log.warning("Kernel %s: suspended whole, its base unusable: %s", kid, e)
+            shutil.rmtree(tmp / BASE_NAME, ignore_errors=True)
+            return None
 
     async def _undo_dump(
         self,
@@ -218,8 +238,10 @@ class Checkpointing(Restoring):
                         "timings": {"dump_s": dumped.seconds, **dump_breakdown(tmp)},
                         "zero_bytes": dumped.zero_bytes,
                         "pages_marked_lazy": marked,
+                        **_delta_summary(dumped),
                     },
                     dumped.sums,
+                    delta=dumped.delta is not None,
                 )
                 committed = True
                 return manifest
@@ -250,6 +272,8 @@ class Checkpointing(Restoring):
             "frozen_s": dumped.seconds + t_killed - t_dumped,
         }
         self._reserve_ports()
+        if dumped.delta is not None:  # the next suspend's base, unless the image goes
+            self._background(asyncio.to_thread(_save_index, dumped.delta.index, store.path(kid)))
         self._gpu_state = gpu_state
         self.tier = "disk"
         self.suspended_at = suspended_at
@@ -267,6 +291,28 @@ class Checkpointing(Restoring):
 
     def _spec_name(self) -> str | None:
         return getattr(self.parent, "kernel_name", None)
+
+
+def _delta_summary(dumped: DumpResult) -> dict[str, Any]:
+    d = dumped.delta
+    if d is None:
+        return {}
+    page = 4096
+    return {
+        "delta": {
+            "pages": d.pages,
+            "written_bytes": d.written * page,
+            "in_parent_bytes": d.in_parent * page,
+            "copied_bytes": d.copied * page,
+        }
+    }
+
+
+def _save_index(index: PageIndex, images: Any) -> None:
+    """Saved where the image now is (it was dumped under a temporary name)."""
+    index.directory = images
+    with contextlib.suppress(OSError):  # gone meanwhile: no base for the next dump
+        index.save()
 
 
 async def _uncancellable(work: Awaitable[Any]) -> Any:

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from .capture import ImageCapture
 from .errors import SuspendFailed
+from .incremental import DeltaResult, PageIndex
 from .integrity import FollowingHasher
 from .procmount import MOUNT_NS_ARGS, own_mount_ns
 
@@ -30,6 +31,7 @@ class DumpResult:
     seconds: float  # CRIU's run
     sums: dict[str, tuple[int, list[int]]]  # page file -> (size, chunk CRCs), hashed meanwhile
     zero_bytes: int  # all-zero chunks of the page files made holes
+    delta: DeltaResult | None = None  # an incremental image: what it holds, and its index
 
 
 def tree_rss(pid: int) -> int:
@@ -128,14 +130,19 @@ def _exit_status(returncode: int) -> str:
 
 
 async def criu_dump(
-    engine: CheckpointEngine, pid: int, images: Path, progress: ProgressCallback | None = None
+    engine: CheckpointEngine,
+    pid: int,
+    images: Path,
+    progress: ProgressCallback | None = None,
+    base: PageIndex | None = None,
 ) -> DumpResult:
     """Dump the tree rooted at `pid` into `images`, leaving it stopped (not killed).
 
     The caller kills the tree once the image is committed, or continues it (SIGCONT)
     if anything after the dump fails: the kernel then runs on exactly as before.
     Returns the seconds CRIU took and the (size, chunk CRCs) of the page files, hashed
-    while CRIU wrote them (with their zero chunks made holes).
+    while CRIU wrote them (with their zero chunks made holes). On a `base` (streaming
+    only), the image written is a delta on it (incremental.py).
     """
     info = engine.require()
     expected = tree_rss(pid)
@@ -169,7 +176,7 @@ async def criu_dump(
     engine.log.debug("running %s", " ".join(cmd))
     t0 = time.monotonic()
     hasher = (
-        ImageCapture(images, direct=engine.direct_image_writes).start()
+        ImageCapture(images, direct=engine.direct_image_writes, base=base).start()
         if stream
         else FollowingHasher(images).start()
     )
@@ -230,4 +237,5 @@ async def criu_dump(
         raise SuspendFailed(f"CRIU dump failed ({_exit_status(rc)}): {why or stderr.strip()}")
     if written:
         raise SuspendFailed(f"Writing the image failed: {written}")
-    return DumpResult(time.monotonic() - t0, sums, hasher.zero_bytes)
+    delta = hasher.delta if isinstance(hasher, ImageCapture) else None
+    return DumpResult(time.monotonic() - t0, sums, hasher.zero_bytes, delta)

@@ -27,6 +27,7 @@ from . import criucache
 from .checkpoint import CheckpointStore
 from .dumping import DumpResult, ProgressCallback, criu_dump, criu_errors
 from .errors import EngineUnavailable, ResumeFailed
+from .incremental import PageIndex
 from .procmount import MOUNT_NS_ARGS, dump_turn
 
 MIN_CRIU = (4, 2)
@@ -138,6 +139,15 @@ class CheckpointEngine(SingletonConfigurable):
         False,
         help="Keep a kernel's checkpoint image on disk after a successful resume (it is "
         "replaced by the next suspend).",
+    ).tag(config=True)
+
+    keep_base = Bool(
+        False,
+        help="Keep a resumed kernel's image as the base of its next suspend, which then "
+        "writes only the pages that changed (an incremental image on that base: "
+        "docs/incremental.md). Costs the image's disk space while the kernel runs, and "
+        "reading and hashing the kernel's memory at the next suspend; needs stream_dump. "
+        "Kernels restored from an incremental image are restored whole, not lazily.",
     ).tag(config=True)
 
     stream_dump = Bool(
@@ -400,12 +410,16 @@ class CheckpointEngine(SingletonConfigurable):
         return args
 
     async def dump(
-        self, pid: int, images: Path, progress: ProgressCallback | None = None
+        self,
+        pid: int,
+        images: Path,
+        progress: ProgressCallback | None = None,
+        base: PageIndex | None = None,
     ) -> DumpResult:
         """Dumps run concurrently, except two whose CRIU would mount /proc in the same
-        directory (procmount.py)."""
+        directory (procmount.py). On a `base`: an incremental image (incremental.py)."""
         async with dump_turn(pid):
-            return await criu_dump(self, pid, images, progress)
+            return await criu_dump(self, pid, images, progress, base)
 
     def start_restore(
         self, images: Path, work: Path, pidfile: Path, lazy: bool = False

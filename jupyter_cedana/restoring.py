@@ -21,6 +21,8 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from . import lazy, readahead
+from .checkpoint import MANIFEST
+from .crimg import ImageError
 from .cuda import CudaStateLeft
 from .engine import CheckpointEngine, kill_restore
 from .errors import (
@@ -31,6 +33,7 @@ from .errors import (
     ResumeFailed,
 )
 from .gpu_steps import GpuSteps
+from .incremental import INDEX_NAME, PageIndex
 from .integrity import is_page_file
 from .pids import check_free
 from .proctree import process_tree, stat_fields
@@ -313,6 +316,8 @@ class Restoring(GpuSteps):
         # has not been checked against pages served by userfaultfd.
         page_files = [m for n, m in manifest["files"].items() if is_page_file(n)]
         chunked = bool(page_files) and all("chunks" in m for m in page_files)
+        if manifest.get("base"):  # the page server does not read bases (yet): whole
+            return False
         big = int(manifest.get("total_bytes") or 0) >= min_bytes
         return chunked and big and not gpu_state and lazy_off is None
 
@@ -327,7 +332,11 @@ class Restoring(GpuSteps):
         after a crash must not bring back the older state in the image), and so does the
         image unless CheckpointEngine.keep_image_after_resume."""
         self._drop_record()
-        if not self.engine.keep_image_after_resume:
+        if self.engine.keep_base:
+            # Indexed while the kernel runs, so that its next suspend need not read it.
+            images = self.engine.store.path(self.kernel_id_str)
+            self._background(asyncio.to_thread(_index_image, images))
+        elif not self.engine.keep_image_after_resume:
             self._discard_image_later()
 
     def _discard_image_later(self) -> None:
@@ -466,6 +475,14 @@ class Restoring(GpuSteps):
             "gpu_memory_freed": self.gpu_memory_freed,
             "reason": self.reason,
         }
+
+
+def _index_image(images: Any) -> None:
+    """The index of a kept image's pages (incremental.py), saved in it; an image that
+    went meanwhile, or cannot be read, leaves the next suspend whole."""
+    with contextlib.suppress(OSError, ImageError):
+        if (images / MANIFEST).is_file() and not (images / INDEX_NAME).exists():
+            PageIndex.of_image(images).save()
 
 
 def _proc_state(pid: int) -> str:
