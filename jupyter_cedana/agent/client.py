@@ -111,7 +111,10 @@ class AgentClient:
             )
             async with self._write_lock:
                 self._writer.write(frame)
-                await self._writer.drain()
+                # An agent that refused the connection (busy) may have closed it before
+                # this write: its reason is in the reply stream, which settles the future.
+                with contextlib.suppress(ConnectionError):
+                    await self._writer.drain()
             reply = await future
         finally:
             self._pending.pop(rid, None)

@@ -207,7 +207,7 @@ class Service:
         if refusal is not None:
             with contextlib.suppress(Exception):
                 writer.write(protocol.encode(_error(None, refusal), self.limits.max_response))
-                await asyncio.wait_for(writer.drain(), self.limits.write_timeout)
+                await linger_close(reader, writer)
             writer.close()
             self._conn_tasks.discard(task)
             return
@@ -252,6 +252,22 @@ class Service:
         if not isinstance(args, dict):
             raise AgentError("bad_request", "args must be a JSON object")
         return await self._ops[op](caller, args, progress)
+
+
+LINGER_SECONDS = 1.0
+
+
+async def linger_close(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """Ends our side after a last error reply, and reads (and drops) what the client still
+    sends for a moment: closing outright would make the client's write in flight fail
+    with EPIPE, and its reader drop the reply that says why."""
+    with contextlib.suppress(Exception):
+        await asyncio.wait_for(writer.drain(), LINGER_SECONDS)
+        if writer.can_write_eof():
+            writer.write_eof()
+        async with asyncio.timeout(LINGER_SECONDS):
+            while await reader.read(65536):
+                pass
 
 
 def _error(request_id: int | None, error: AgentError) -> dict[str, Any]:
@@ -319,6 +335,7 @@ class Connection:
                     request = await self._next_frame()
                 except FrameError as e:
                     await self.send(_error(None, e))
+                    await linger_close(self.reader, self.writer)
                     return
                 if request is None:
                     return
@@ -327,6 +344,7 @@ class Connection:
                     await self.send(
                         _error(None, AgentError("bad_request", "request id must be an integer"))
                     )
+                    await linger_close(self.reader, self.writer)
                     return
                 await self._slots.acquire()
                 task = asyncio.ensure_future(self._handle(request_id, request))

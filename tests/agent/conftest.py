@@ -132,7 +132,7 @@ def is_open(sock: socket.socket) -> bool:
     return sock.recv(1, socket.MSG_PEEK) != b""
 
 
-def start_agent(base: Path, *extra: str) -> subprocess.Popen[str]:
+def start_agent(base: Path, *extra: str, state_dir: Path | None = None) -> subprocess.Popen[str]:
     return subprocess.Popen(
         [
             sys.executable,
@@ -141,7 +141,7 @@ def start_agent(base: Path, *extra: str) -> subprocess.Popen[str]:
             "--socket",
             str(base / "run" / "agent.sock"),
             "--state-dir",
-            str(base / "state"),
+            str(state_dir or base / "state"),
             *extra,
         ],
         stdout=subprocess.PIPE,
