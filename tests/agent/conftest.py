@@ -48,14 +48,14 @@ class Agent:
 
     proc: subprocess.Popen[str]
     base: Path
-    socket: Path
+    socket_path: Path
     state_dir: Path
     limits: dict[str, float]
 
     def connect(self) -> socket.socket:
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         s.settimeout(30)
-        s.connect(str(self.socket))
+        s.connect(str(self.socket_path))
         return s
 
     def run_as(
@@ -72,7 +72,7 @@ class Agent:
                 "-m",
                 "jupyter_cedana.agent.client",
                 "--socket",
-                str(self.socket),
+                str(self.socket_path),
                 op,
                 json.dumps(args or {}),
             ],

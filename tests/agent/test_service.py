@@ -174,9 +174,9 @@ def test_identity_is_the_sockets(agent: Agent) -> None:
 
 
 def test_socket_and_state_dir_modes(agent: Agent) -> None:
-    sock = os.stat(agent.socket)
+    sock = os.stat(agent.socket_path)
     assert stat.S_ISSOCK(sock.st_mode) and stat.S_IMODE(sock.st_mode) == 0o666
-    run_dir = os.stat(agent.socket.parent)
+    run_dir = os.stat(agent.socket_path.parent)
     assert (run_dir.st_uid, stat.S_IMODE(run_dir.st_mode)) == (0, 0o755)
     state = os.stat(agent.state_dir)
     assert (state.st_uid, stat.S_IMODE(state.st_mode)) == (0, 0o700)
