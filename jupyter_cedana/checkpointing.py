@@ -23,7 +23,7 @@ from typing import Any
 from .checkpoint import BASE_NAME
 from .crimg import ImageError, dump_breakdown, mark_lazy
 from .cuda import CudaStateLeft
-from .dumping import DumpResult, dir_bytes
+from .dumping import DumpResult, dir_bytes, tree_rss
 from .errors import (
     Conflict,
     InsufficientStorage,
@@ -35,6 +35,9 @@ from .pids import task_ids
 from .proctree import process_tree
 from .restoring import Restoring
 from .transitions import KernelState
+
+# A kernel's chain of incremental images may hold up to this times its memory on disk.
+CHAIN_LIMIT = 1.2
 
 
 class Checkpointing(Restoring):
@@ -157,6 +160,12 @@ class Checkpointing(Restoring):
         store = self.engine.store
         kid = self.kernel_id_str
         if not (store.path(kid) / INDEX_NAME).exists():
+            return None
+        # Until chains are compacted in the background: a chain holding more than this
+        # share of the kernel's memory is replaced by a whole image.
+        held = store.size_of(kid)
+        if held > CHAIN_LIMIT * tree_rss(self.pid or 0):
+            self.log.info("Kernel %s: suspended whole, its chain holding %d bytes", kid, held)
             return None
         try:
             linked = store.link_base(kid, tmp)

@@ -126,3 +126,38 @@ async def test_a_damaged_base_fails_the_restore_and_keeps_the_image(
     await prov.resume()
     await wait_iopub(kc)
     assert await state_of(kc) == expected
+
+
+async def test_a_chain_past_its_limit_is_replaced_by_a_whole_image(
+    kernel, checkpoint_root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the kernel's memory taken as the whole image's size and the limit at 1x, the
+    first delta fits (the chain holds the whole image) and the next suspend, whose chain
+    would hold more, writes a whole image instead: the chain is gone from disk and the
+    state comes back."""
+    from jupyter_cedana import checkpointing
+
+    prov = kernel.provisioner
+    prov.engine.keep_base = True
+    kc = kernel.test_client
+    await run(kc, SETUP)
+    image = checkpoint_root / kernel.kernel_id
+    store = prov.engine.store
+    kinds = []
+    for i in range(3):
+        await run(kc, CELL.format(i=i))
+        expected = await state_of(kc)
+        await prov.suspend()
+        manifest = store.read_manifest(kernel.kernel_id)
+        if i == 0:
+            whole = manifest["total_bytes"]
+            monkeypatch.setattr(checkpointing, "CHAIN_LIMIT", 1.0)
+            monkeypatch.setattr(checkpointing, "tree_rss", lambda pid, size=whole: size)
+        kinds.append("delta" if manifest.get("base") else "whole")
+        await prov.resume()
+        await prov.memory_loaded()
+        await wait_iopub(kc)
+        assert await state_of(kc) == expected
+        await kept_and_indexed(image)
+    assert kinds == ["whole", "delta", "whole"]
+    assert not (image / BASE_NAME).exists()

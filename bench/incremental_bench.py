@@ -1,0 +1,298 @@
+"""A repeat suspend after a small cell: what the options to find what changed cost here.
+
+Part 1 (`--part hash`): per-core throughput of the hashes a content comparison could use,
+over 64 KiB chunks and 4 KiB pages, next to a plain O_DIRECT write + fsync of the same
+bytes on the checkpoint disk: whether reading and hashing all of a kernel's memory can be
+much cheaper than writing it.
+
+Part 2 (`--part kernel`): a real kernel of N GB (1 and 4 by default) with
+CheckpointEngine.keep_base on, suspended (a whole image), resumed, given a cell that
+changes a share of its array (1.5 % by default, one contiguous slice), suspended again (a
+delta on the first image): both suspends' frozen time and the bytes the disk wrote (from
+/proc/diskstats, not our counters), side by side, and the state checked after each
+resume. With --analyse, both images are also compared page by page at the same virtual
+address: how many 4 KiB pages and 64 KiB address-aligned chunks really changed, against
+how many 64 KiB chunks of the page files differ at the same file offset (what a
+comparison blind to addresses would have to write).
+
+Needs root (CRIU). Results: printed, and as JSON with --json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import json
+import mmap
+import os
+import shutil
+import sys
+import tempfile
+import threading
+import time
+import zlib
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchlib import (
+    GB,
+    engine_at,
+    fill,
+    machine_info,
+    plain_write_fsync,
+    run,
+    start_kernel,
+    stop_kernel,
+)
+
+PAGE = 4096
+CHUNK = 64 << 10
+
+HASHES = {
+    "crc32": lambda b: zlib.crc32(b),
+    "blake2b-128": lambda b: hashlib.blake2b(b, digest_size=16).digest(),
+    "sha256": lambda b: hashlib.sha256(b).digest(),
+    "sha1": lambda b: hashlib.sha1(b).digest(),
+    "md5": lambda b: hashlib.md5(b).digest(),
+}
+
+
+def hash_rate(fn: Any, buf: memoryview, unit: int, threads: int) -> float:
+    """GB/s of `fn` over `buf` cut in `unit`s, on `threads` threads (hashlib lets go of
+    the GIL for buffers over 2 KiB)."""
+    n = len(buf) // unit
+    parts = [range(i, n, threads) for i in range(threads)]
+
+    def work(idx: range) -> None:
+        for i in idx:
+            fn(buf[i * unit : (i + 1) * unit])
+
+    t = time.perf_counter()
+    ts = [threading.Thread(target=work, args=(p,)) for p in parts]
+    for th in ts:
+        th.start()
+    for th in ts:
+        th.join()
+    return len(buf) / (time.perf_counter() - t) / GB
+
+
+def part_hash(root: Path, mb: int) -> dict[str, Any]:
+    m = mmap.mmap(-1, mb << 20)
+    m.write(os.urandom(mb << 20))
+    buf = memoryview(m)
+    out: dict[str, Any] = {"bytes": mb << 20, "rates_gbps": {}}
+    for name, fn in HASHES.items():
+        for unit, uname in ((CHUNK, "64K"), (PAGE, "4K")):
+            for threads in (1, 2):
+                key = f"{name}/{uname}/{threads}t"
+                out["rates_gbps"][key] = round(hash_rate(fn, buf, unit, threads), 3)
+                print(f"  {key:22s} {out['rates_gbps'][key]:6.2f} GB/s", flush=True)
+    copy = bytearray(len(buf))
+    t = time.perf_counter()
+    copy[:] = buf
+    out["memcpy_gbps"] = round(len(buf) / (time.perf_counter() - t) / GB, 3)
+    f = root / "plain.bin"
+    _, s = plain_write_fsync(f, 1 << 30, direct=True)
+    f.unlink()
+    out["direct_write_fsync_gbps"] = round((1 << 30) / s / GB, 3)
+    print(
+        f"  memcpy {out['memcpy_gbps']:.2f} GB/s; O_DIRECT write+fsync "
+        f"{out['direct_write_fsync_gbps']:.2f} GB/s",
+        flush=True,
+    )
+    return out
+
+
+def disk_written(path: Path) -> int:
+    """Bytes the block device holding `path` has written since boot (its diskstats line,
+    in 512-byte sectors): what really reached the disk, whoever wrote it."""
+    dev = os.stat(path).st_dev
+    stat = Path(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}/stat").read_text().split()
+    return int(stat[6]) * 512
+
+
+def process_written() -> int:
+    """Bytes this process (the capture writes the image) caused to reach storage, by the
+    kernel's own accounting (/proc/self/io): what diskstats says, without the writes of
+    whatever else runs on the machine."""
+    with open("/proc/self/io") as f:
+        for line in f:
+            if line.startswith("write_bytes:"):
+                return int(line.split()[1])
+    return 0
+
+
+def page_digests(images: Path) -> tuple[dict[tuple[int, int], bytes], list[bytes]]:
+    """{(pid, vaddr): digest} of every present page, and the 64 KiB chunk digests of the
+    page files in file order (all page files one after another)."""
+    from jupyter_cedana.crimg import pagemap, pids
+
+    by_addr: dict[tuple[int, int], bytes] = {}
+    files_chunks: list[bytes] = []
+    seen_files: set[str] = set()
+    for pid in pids(images):
+        for run_ in pagemap(images, pid):
+            if not run_.present:
+                continue
+            with open(images / run_.pages_file, "rb") as f:
+                f.seek(run_.offset)
+                data = f.read(run_.pages * PAGE)
+            for i in range(run_.pages):
+                by_addr[(pid, run_.vaddr + i * PAGE)] = hashlib.blake2b(
+                    data[i * PAGE : (i + 1) * PAGE], digest_size=16
+                ).digest()
+            if run_.pages_file not in seen_files:
+                seen_files.add(run_.pages_file)
+                with open(images / run_.pages_file, "rb") as f:
+                    while block := f.read(CHUNK):
+                        files_chunks.append(hashlib.blake2b(block, digest_size=16).digest())
+    return by_addr, files_chunks
+
+
+def compare(a: Any, b: Any) -> dict[str, int]:
+    pa, ca = a
+    pb, cb = b
+    changed_pages = [k for k, d in pb.items() if pa.get(k) != d]
+    chunks_b = {(pid, v // CHUNK) for pid, v in pb}
+    changed_chunks = {(pid, v // CHUNK) for pid, v in changed_pages}
+    offset_diff = sum(1 for i, d in enumerate(cb) if i >= len(ca) or ca[i] != d)
+    return {
+        "pages": len(pb),
+        "pages_changed": len(changed_pages),
+        "pages_new_address": sum(1 for k in pb if k not in pa),
+        "addr_chunks": len(chunks_b),
+        "addr_chunks_changed": len(changed_chunks),
+        "file_chunks": len(cb),
+        "file_chunks_differing_at_same_offset": offset_diff,
+    }
+
+
+async def part_kernel(root: Path, size_gb: float, share: float, analyse: bool) -> dict[str, Any]:
+    """First suspend (whole), resume, a cell changing `share` of the array, second suspend
+    (a delta on the first image, CheckpointEngine.keep_base), resume: both suspends'
+    frozen time and bytes the disk wrote, the state right after each resume."""
+    from jupyter_cedana.incremental import INDEX_NAME
+
+    root.mkdir(parents=True, exist_ok=True)
+    # The process's engine, configured before the kernel's provisioner takes it.
+    if await engine_at(root, keep_base=True) is None:
+        raise RuntimeError("CRIU cannot be used here")
+    workdir = Path(tempfile.mkdtemp(prefix="cedana-incr-work-"))
+    km, kc = await start_kernel(root, workdir, keep_base=True)
+    prov = km.provisioner
+    out: dict[str, Any] = {"size_gb": size_gb, "share": share}
+    try:
+        await fill(kc, prov.pid, int(size_gb * GB))
+        store = prov.engine.store
+        kid = prov.kernel_id_str
+        state = "import hashlib; print(hashlib.sha256(a.tobytes()).hexdigest())"
+
+        async def suspend(tag: str) -> Any:
+            os.sync()
+            w0, p0 = disk_written(root), process_written()
+            t = time.perf_counter()
+            s = await prov.suspend()
+            took = time.perf_counter() - t
+            os.sync()
+            out[f"{tag}_disk_bytes"] = disk_written(root) - w0
+            out[f"{tag}_process_bytes"] = process_written() - p0
+            out[f"{tag}_suspend_s"] = round(took, 3)
+            out[f"{tag}_frozen_s"] = round((prov.last_suspend_breakdown or {})["frozen_s"], 3)
+            out[f"{tag}_image_bytes"] = s.get("checkpoint_bytes")
+            if not analyse:
+                return None
+            return await asyncio.to_thread(page_digests, store.path(kid))
+
+        async def resume(tag: str, expect: str) -> None:
+            t = time.perf_counter()
+            await prov.resume()
+            await prov.memory_loaded()
+            out[f"{tag}_resume_s"] = round(time.perf_counter() - t, 3)
+            if (await run(kc, state)).strip() != expect:
+                raise RuntimeError(f"state after the {tag} resume differs")
+
+        expect = (await run(kc, state)).strip()
+        first = await suspend("first")
+        await resume("first", expect)
+        deadline = time.monotonic() + 600  # the base is indexed while the kernel runs
+        t = time.monotonic()
+        while not (store.path(kid) / INDEX_NAME).exists():
+            if time.monotonic() > deadline:
+                raise RuntimeError("the kept image was never indexed")
+            await asyncio.sleep(0.1)
+        out["index_s"] = round(time.monotonic() - t, 3)
+        cell = f"_k = int(a.size * {share}); _o = a.size // 3; a[_o:_o + _k] += 1; junk = 1"
+        await run(kc, cell)
+        expect = (await run(kc, state)).strip()
+        second = await suspend("second")
+        manifest = store.read_manifest(kid)
+        out["second_is_delta"] = bool(manifest.get("base"))
+        out["second_held_bytes"] = manifest.get("held_bytes")
+        if analyse:
+            out.update(compare(first, second))
+        await resume("second", expect)
+        out["frozen_ratio"] = round(out["second_frozen_s"] / out["first_frozen_s"], 3)
+        out["disk_ratio"] = round(out["second_disk_bytes"] / out["first_disk_bytes"], 4)
+        out["process_ratio"] = round(
+            out["second_process_bytes"] / max(1, out["first_process_bytes"]), 4
+        )
+    finally:
+        await stop_kernel(km, kc)
+        shutil.rmtree(workdir, ignore_errors=True)
+    for k, v in out.items():
+        print(f"  {k:40s} {v}", flush=True)
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--part", choices=("hash", "kernel", "all"), default="all")
+    ap.add_argument("--sizes", default="1,4", help="kernel sizes, GB (part kernel)")
+    ap.add_argument(
+        "--analyse",
+        action="store_true",
+        help="also compare both images page by page (reads and hashes both: slow)",
+    )
+    ap.add_argument("--share", type=float, default=0.015, help="share of the array a cell changes")
+    ap.add_argument("--hash-mb", type=int, default=256)
+    ap.add_argument("--root", type=Path, default=None, help="checkpoint root (the disk tested)")
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args()
+    root = args.root or Path(tempfile.mkdtemp(prefix="cedana-incr-", dir="/var/tmp"))
+    root.mkdir(parents=True, exist_ok=True)
+    result: dict[str, Any] = {"machine": machine_info(root)}
+    try:
+        if args.part in ("hash", "all"):
+            print("== hashes, per core and on 2 threads, against the disk", flush=True)
+            result["hash"] = part_hash(root, args.hash_mb)
+        if args.part in ("kernel", "all"):
+            result["kernel"] = []
+            for size in (float(x) for x in args.sizes.split(",")):
+                print(f"== {size:g} GB kernel, a cell changing {args.share:.1%}", flush=True)
+                result["kernel"].append(
+                    asyncio.run(part_kernel(root / "ckpt", size, args.share, args.analyse))
+                )
+            print(
+                "\n| GB | frozen 1st s | frozen 2nd s | ratio | disk 1st GB | disk 2nd GB | ratio |"
+            )
+            print("| --- | --- | --- | --- | --- | --- | --- |")
+            for r in result["kernel"]:
+                print(
+                    f"| {r['size_gb']:g} | {r['first_frozen_s']:.2f} | {r['second_frozen_s']:.2f} "
+                    f"| {r['frozen_ratio']:.2f} | {r['first_disk_bytes'] / GB:.3f} "
+                    f"| {r['second_disk_bytes'] / GB:.3f} | {r['disk_ratio']:.3f} "
+                    f"| {r['first_process_bytes'] / GB:.3f} "
+                    f"| {r['second_process_bytes'] / GB:.3f} | {r['process_ratio']:.4f} |"
+                )
+    finally:
+        if args.root is None:
+            shutil.rmtree(root, ignore_errors=True)
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
