@@ -51,6 +51,23 @@ _DROP_NAMES = frozenset(
         "JPY_PARENT_PID",
     }
 )
+# What reaches a kernel: cedana-init forwards these to the kernel's process group
+# (cedana-init.c, `forwarded`); SIGKILL ends the init and with it the namespace. A PID 1
+# receives no other signal from outside.
+SIGNALS = frozenset(
+    {
+        signal.SIGINT,
+        signal.SIGTERM,
+        signal.SIGHUP,
+        signal.SIGQUIT,
+        signal.SIGUSR1,
+        signal.SIGUSR2,
+        signal.SIGWINCH,
+        signal.SIGCONT,
+        signal.SIGALRM,
+        signal.SIGKILL,
+    }
+)
 MAX_ARGV = 256
 MAX_LOG_REPLY = 256 * 1024
 MAX_WAIT = 3600.0
@@ -184,9 +201,12 @@ class Launcher:
     async def op_signal(self, caller: Caller, args: dict[str, Any], _: Progress) -> dict[str, Any]:
         record = self.kernels.lookup(caller.uid, protocol.kernel_id(args))
         signum = args.get("signum")
-        valid = set(signal.valid_signals())
-        if not isinstance(signum, int) or isinstance(signum, bool) or signum not in valid:
-            raise AgentError("bad_request", f"signum must be a signal number, not {signum!r}")
+        if not isinstance(signum, int) or isinstance(signum, bool) or signum not in SIGNALS:
+            raise AgentError(
+                "bad_request",
+                f"signum must be one of {sorted(SIGNALS)} (those cedana-init forwards, and "
+                f"SIGKILL), not {signum!r}",
+            )
         async with record.lock:
             record.send_signal(signum)
         return {}

@@ -289,6 +289,9 @@ def test_signal_poll_wait_release(agent: Agent, kernels: list[Kernel]) -> None:
     user = "cedana-test"
     assert agent.run_as(user, "signal", {"kernel_id": kernel.id, "signum": signal.SIGINT})["ok"]
     kernel.run("x = 2")  # an interrupt with nothing running leaves the kernel alive
+    # A signal cedana-init would not forward (a PID 1 gets none other from outside).
+    stop = agent.run_as(user, "signal", {"kernel_id": kernel.id, "signum": signal.SIGSTOP})
+    assert stop["error"]["code"] == "bad_request"
     busy = agent.run_as(user, "release", {"kernel_id": kernel.id})
     assert busy["error"]["code"] == "conflict"
     assert agent.run_as(user, "signal", {"kernel_id": kernel.id, "signum": signal.SIGKILL})["ok"]
