@@ -349,3 +349,57 @@ def test_root_caller_gets_a_root_kernel(agent: Agent, kernels: list[Kernel]) -> 
     assert reply is not None and reply["ok"], reply
     sock.close()
     assert status_of(kernel.run("print(open('/proc/self/status').read())"))["Uid"].split()[0] == "0"
+
+
+NOTEBOOK_ATTEMPTS = """
+import json, os, signal
+from jupyter_cedana.agent.client import AgentClient
+from jupyter_cedana.agent.protocol import AgentError
+
+out = {}
+async with await AgentClient.connect(SOCKET) as agent:
+    out["uid"] = (await agent.hello())["uid"]
+    out["listed"] = [k["kernel_id"] for k in await agent.list()]
+    for name, args in [
+        ("other", {"kernel_id": OTHER, "signum": 9}),
+        ("pid", {"kernel_id": UNKNOWN, "pid": AGENT_PID, "signum": 9}),
+        ("as_root", {"kernel_id": OTHER, "uid": 0, "signum": 9}),
+    ]:
+        try:
+            await agent.request("signal", args)
+            out[name] = "done"
+        except AgentError as e:
+            out[name] = e.code
+try:
+    os.kill(1, signal.SIGKILL)  # the namespace's init, root's
+    out["init"] = "signalled"
+except PermissionError:
+    out["init"] = "denied"
+print(json.dumps(out))
+"""
+
+
+def test_notebook_code_cannot_reach_other_kernels_or_root(
+    agent: Agent, kernels: list[Kernel]
+) -> None:
+    """The same refusals for a cell of cedana-test's kernel as for a client of cedana-test2:
+    the kernel talks to the agent as 1001, and cannot signal its own root init."""
+    other, other_init = launch(agent, kernels, "cedana-test2")
+    other.run("mine = 'cedana-test2'")
+    kernel, init_pid = launch(agent, kernels, "cedana-test")
+    code = (
+        f"SOCKET = {str(agent.socket_path)!r}; OTHER = {other.id!r}; "
+        f"UNKNOWN = {str(uuid.uuid4())!r}; AGENT_PID = {agent.proc.pid}\n" + NOTEBOOK_ATTEMPTS
+    )
+    seen = json.loads(kernel.run(code))
+    assert seen == {
+        "uid": 1001,
+        "listed": [kernel.id],
+        "other": "not_found",
+        "pid": "not_found",
+        "as_root": "not_found",
+        "init": "denied",
+    }
+    assert Path(f"/proc/{init_pid}").exists() and agent.proc.poll() is None
+    assert other.run("print(mine)").strip() == "cedana-test2"
+    assert Path(f"/proc/{other_init}").exists()
