@@ -1,0 +1,314 @@
+"""The agent's checkpoint ops: `dump`, `restore`, `discard`, `images`.
+
+A kernel is found only through the agent's records under the caller's uid
+(kernels.KernelTable), and an image only in the caller's directory of the agent's store:
+no request names a pid or a path, so a caller can dump or restore nothing but what the
+agent launched or restored for that same uid. Every image is checked before CRIU reads
+it (imagecheck.verify_owner), and every restored kernel after CRIU has restored it
+(/proc/PID/status: the caller's ids, no capabilities, no_new_privs).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import subprocess
+from pathlib import Path
+from typing import Any, cast
+
+from ..checkpoint import validate_kernel_id
+from ..crimg import ImageError, mark_lazy
+from ..dumping import dir_bytes
+from ..engine import kill_restore
+from ..errors import CedanaError
+from ..proctree import process_tree
+from .criu import AgentEngine, CriuSettings, UnsafeSetup
+from .imagecheck import ImageRefused, verify_owner
+from .imagestore import DEFAULT_QUOTA, ImageStore
+from .kernels import KernelRecord, State
+from .protocol import AgentError
+from .service import Caller, Progress, Service, user_groups
+
+CONFIG_NAME = "checkpoint.json"
+
+
+def _kernel_id(args: dict[str, Any]) -> str:
+    kid = args.get("kernel_id")
+    if not isinstance(kid, str):
+        raise AgentError("bad_request", "kernel_id must be a string")
+    try:
+        return validate_kernel_id(kid)
+    except CedanaError as e:
+        raise AgentError("bad_request", e.message) from e
+
+
+def load_settings(state_dir: Path) -> tuple[CriuSettings, int]:
+    """The administrator's settings: `<state>/checkpoint.json` (root's, like the state
+    directory), keys criu_path, plugin_dir, quota_bytes; defaults otherwise."""
+    path = state_dir / CONFIG_NAME
+    data: dict[str, Any] = {}
+    if path.exists():
+        st = os.lstat(path)
+        if st.st_uid != 0 or st.st_mode & 0o022 or not path.is_file():
+            raise UnsafeSetup(f"{path} must be a regular file root alone can write")
+        data = json.loads(path.read_text())
+    defaults = CriuSettings(state_dir=str(state_dir))
+    settings = CriuSettings(
+        state_dir=str(state_dir),
+        criu_path=str(data.get("criu_path", defaults.criu_path)),
+        plugin_dir=str(data.get("plugin_dir", defaults.plugin_dir)),
+    )
+    return settings, int(data.get("quota_bytes", DEFAULT_QUOTA))
+
+
+class _Keeper:
+    """cedana-init's keeper (a Popen) as the record's asyncio-style process."""
+
+    stdout = None
+    stderr = None
+
+    def __init__(self, proc: subprocess.Popen[bytes]):
+        self._proc = proc
+        self.pid = proc.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self._proc.poll()
+
+    async def wait(self) -> int:
+        return await asyncio.to_thread(self._proc.wait)
+
+
+def proc_creds(pid: int) -> dict[str, str]:
+    out = {}
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key in ("Uid", "Gid", "CapInh", "CapPrm", "CapEff", "CapAmb", "NoNewPrivs"):
+                out[key] = value.strip()
+    return out
+
+
+def check_running_as(pid: int, uid: int, gid: int) -> None:
+    """Raise unless `pid` runs as uid/gid everywhere, with no capabilities, no_new_privs."""
+    c = proc_creds(pid)
+    ids_ok = c["Uid"].split() == [str(uid)] * 4 and c["Gid"].split() == [str(gid)] * 4
+    caps_ok = all(int(c[k], 16) == 0 for k in ("CapInh", "CapPrm", "CapEff", "CapAmb"))
+    if not (ids_ok and caps_ok and c.get("NoNewPrivs") == "1"):
+        raise ImageRefused(f"restored task {pid} runs with {c}")
+
+
+class CheckpointOps:
+    def __init__(self, service: Service, settings: CriuSettings, quota_bytes: int):
+        self.kernels = service.kernels
+        self.engine = AgentEngine(settings)
+        self.store = ImageStore(settings.state_dir, quota_bytes)
+
+    def register(self, service: Service) -> None:
+        service.register("dump", self.op_dump)
+        service.register("restore", self.op_restore)
+        service.register("discard", self.op_discard)
+        service.register("images", self.op_images)
+
+    def _require(self) -> None:
+        try:
+            self.engine.require()
+        except UnsafeSetup as e:
+            raise AgentError("refused", e.message) from e
+        except CedanaError as e:
+            raise AgentError("failed", e.message) from e
+
+    async def op_dump(self, caller: Caller, args: dict[str, Any], _: Progress) -> dict[str, Any]:
+        kid = _kernel_id(args)
+        record = self.kernels.lookup(caller.uid, kid)
+        async with record.lock:
+            if record.state != State.running or record.init_pid <= 0:
+                raise AgentError("conflict", f"kernel {kid} is {record.state.value}, not running")
+            self._require()
+            store = self.store.for_uid(caller.uid)
+            record.state = State.dumping
+            pid = record.init_pid
+            tmp = store.begin(kid)
+            try:
+                dumped = await self.engine.dump(pid, tmp)
+                self.store.check_quota(caller.uid, kid, dir_bytes(tmp))
+
+                def commit() -> dict[str, Any]:
+                    with contextlib.suppress(OSError, ImageError, IndexError):
+                        mark_lazy(tmp)
+                    return store.commit(
+                        kid,
+                        tmp,
+                        {"uid": caller.uid, "pidns": True, "timings": {"dump_s": dumped.seconds}},
+                        dumped.sums,
+                    )
+
+                manifest = await asyncio.to_thread(commit)
+            except BaseException as e:
+                store.discard(tmp)
+                for p in process_tree(pid):  # CRIU leaves the tree stopped
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(p, signal.SIGCONT)
+                record.state = State.running
+                if isinstance(e, AgentError):
+                    raise
+                if isinstance(e, CedanaError):
+                    raise AgentError("failed", e.message) from e
+                raise
+            # The image is durable: only now does the kernel's memory go.
+            process = record.process
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+            if process is not None:
+                await process.wait()
+            self.kernels.mark_dumped(caller.uid, kid)
+        return {
+            "kernel_id": kid,
+            "bytes": int(manifest["total_bytes"]),
+            "seconds": dumped.seconds,
+        }
+
+    async def op_restore(self, caller: Caller, args: dict[str, Any], _: Progress) -> dict[str, Any]:
+        kid = _kernel_id(args)
+        lazy = args.get("lazy", False)
+        if not isinstance(lazy, bool):
+            raise AgentError("bad_request", "lazy must be true or false")
+        store = self.store.for_uid(caller.uid)
+        record = self.kernels.get(caller.uid, kid)
+        if not store.exists(kid):
+            raise AgentError("not_found", f"no image of kernel {kid}")
+        if record is not None and record.state != State.dumped:
+            raise AgentError("conflict", f"kernel {kid} is {record.state.value}, not dumped")
+        self._require()
+        groups = user_groups(caller.uid, caller.gid)
+        if record is None:  # an image from before the agent restarted
+            record = KernelRecord(
+                uid=caller.uid,
+                kernel_id=kid,
+                gid=caller.gid,
+                groups=groups,
+                init_pid=0,
+                process=None,
+                state=State.dumped,
+            )
+            self.kernels.reserve(record)
+        async with record.lock:
+            if record.state != State.dumped:
+                raise AgentError("conflict", f"kernel {kid} is {record.state.value}, not dumped")
+            images = store.path(kid)
+            try:
+                await asyncio.to_thread(store.verify, kid)
+                await asyncio.to_thread(
+                    verify_owner,
+                    images,
+                    caller.uid,
+                    caller.gid,
+                    groups,
+                    self.engine.init_binary(),
+                )
+            except ImageRefused as e:
+                kept = self.store.refuse(caller.uid, kid, str(e))
+                self.kernels.remove(caller.uid, kid)
+                raise AgentError(
+                    "refused",
+                    f"the image of kernel {kid} is refused: {e}; it is kept for the "
+                    f"administrator at {kept}",
+                ) from e
+            except CedanaError as e:
+                raise AgentError("failed", e.message) from e
+            record.state = State.restoring
+            try:
+                pid, keeper = await self._restore(
+                    store.work_dir(kid), images, caller.uid, caller.gid
+                )
+            except BaseException:
+                record.state = State.dumped
+                raise
+            self.kernels.mark_restored(
+                caller.uid, kid, pid, cast(asyncio.subprocess.Process, _Keeper(keeper))
+            )
+            with contextlib.suppress(OSError):
+                store.remove_image(kid)
+        return {"kernel_id": kid, "pid": pid, "lazy": False}
+
+    async def _restore(
+        self, work: Path, images: Path, uid: int, gid: int
+    ) -> tuple[int, subprocess.Popen[bytes]]:
+        # Whole restores only for now: lazy ones need the page server wired in here.
+        pidfile = work / "restored.pid"
+        pidfile.unlink(missing_ok=True)
+        proc = self.engine.start_restore(images, work, pidfile, lazy=False)
+        pid = 0
+        try:
+            pid = await self.engine.wait_restored(proc, work, pidfile)
+            tasks = await _stopped_tree(pid)
+            if uid != 0:
+                # CRIU set the ids and capabilities from the image: see they are right.
+                for task in tasks - {pid}:
+                    check_running_as(task, uid, gid)
+            for task in tasks:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(task, signal.SIGCONT)
+        except BaseException as e:
+            if pid:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            await asyncio.to_thread(kill_restore, proc)
+            if isinstance(e, ImageRefused):
+                raise AgentError("refused", str(e)) from e
+            if isinstance(e, CedanaError):
+                raise AgentError("failed", e.message) from e
+            raise
+        return pid, proc
+
+    async def op_discard(self, caller: Caller, args: dict[str, Any], _: Progress) -> dict[str, Any]:
+        kid = _kernel_id(args)
+        store = self.store.for_uid(caller.uid)
+        record = self.kernels.get(caller.uid, kid)
+        if record is not None and record.state != State.dumped:
+            raise AgentError("conflict", f"kernel {kid} is {record.state.value}, not dumped")
+        if not store.exists(kid):
+            raise AgentError("not_found", f"no image of kernel {kid}")
+        store.remove(kid)
+        if record is not None:
+            self.kernels.remove(caller.uid, kid)
+        return {"kernel_id": kid}
+
+    async def op_images(self, caller: Caller, args: dict[str, Any], _: Progress) -> dict[str, Any]:
+        return {
+            "images": self.store.images(caller.uid),
+            "refused": self.store.refused(caller.uid),
+            "quota_bytes": self.store.quota_bytes,
+            "used_bytes": self.store.usage(caller.uid),
+        }
+
+
+async def _stopped_tree(root: int, timeout: float = 10.0) -> set[int]:
+    """The restored tree once CRIU has let go of it (every task stopped)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while True:
+        pids = process_tree(root)
+        if pids and all(_state(p) == "T" for p in pids):
+            return pids
+        if loop.time() > deadline:
+            return pids
+        await asyncio.sleep(0.005)
+
+
+def _state(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0]
+    except (OSError, IndexError):
+        return "?"
+
+
+def register(service: Service) -> None:
+    settings, quota = load_settings(service.state_dir)
+    # CRIU inherits the agent's working directory during a restore: root's "/".
+    os.chdir("/")
+    CheckpointOps(service, settings, quota).register(service)

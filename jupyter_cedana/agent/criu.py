@@ -1,0 +1,228 @@
+"""The agent's CRIU: the one way the checkpoint agent runs CRIU, as root, for callers who
+are not.
+
+CRIU treats its command line, its environment, its configuration files, its plugin
+directory and its images as trusted input: `--libdir` and `CRIU_LIBS_DIR` make it
+`dlopen` every `*.so` there, `CRIU_CONFIG_FILE` is read even with `--no-default-config`,
+`~/.criu/default.conf` and `/etc/criu/default.conf` add options, and `LD_PRELOAD` /
+`LD_LIBRARY_PATH` load code into it before `main`. Run as root, any of them is root for
+whoever controls it. So the agent's CRIU gets:
+
+- an argument list built here and in the engine from typed values only (a pid the agent
+  found in its own records, directories of its own store), never a string from a request;
+  `CheckpointEngine.extra_dump_args` / `extra_restore_args` must stay empty;
+- `--no-default-config`, and `--libdir` naming the agent's own plugin directory;
+- an environment of exactly `FIXED_ENV` (no CRIU_*, no LD_*, HOME the agent's state);
+- binaries, plugin directory and state directory that no user but root can change: each
+  of them and every directory above them is owned by root and not writable by group or
+  others (a root-owned sticky directory such as /tmp is allowed above them: nobody else
+  can rename or remove what root owns in it). Anything else makes the agent refuse to run
+  CRIU at all.
+
+CRIU running as root keeps its kernel-feature cache in /run/criu.kdat, a path compiled
+into it (`--unprivileged` would move it to `$XDG_RUNTIME_DIR`, which the agent never
+uses); the agent refuses a cache file there that root does not own.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import stat
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from traitlets import TraitError, validate
+from traitlets.config import Config
+
+from ..engine import MIN_CRIU, CheckpointEngine, EngineInfo
+from ..errors import EngineUnavailable
+
+FIXED_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+KDAT = "/run/criu.kdat"
+_PACKAGE = Path(__file__).resolve().parent.parent
+PACKAGE_PLUGIN_DIR = _PACKAGE / "criu_plugins"  # holds no .so: CRIU loads nothing
+
+
+class UnsafeSetup(EngineUnavailable):
+    """A file the agent's CRIU depends on could be changed by someone other than root."""
+
+    code = "unsafe_setup"
+
+
+def fixed_env(state_dir: str) -> dict[str, str]:
+    """The whole environment of every CRIU the agent runs."""
+    return {"PATH": FIXED_PATH, "HOME": state_dir, "LANG": "C", "LC_ALL": "C"}
+
+
+def check_root_only(path: str | os.PathLike[str], what: str, *, is_dir: bool | None = None) -> str:
+    """Raise UnsafeSetup unless `path` (symbolic links resolved) and every directory above
+    it are owned by root and not writable by group or others; returns the resolved path.
+    A root-owned sticky directory above it is allowed (its other entries are not ours)."""
+    real = os.path.realpath(path)
+    try:
+        st = os.stat(real)
+    except OSError as e:
+        raise UnsafeSetup(f"The agent's {what} {path} is not usable: {e.strerror}") from e
+    if is_dir is not None and stat.S_ISDIR(st.st_mode) != is_dir:
+        kind = "a directory" if is_dir else "a regular file"
+        raise UnsafeSetup(f"The agent's {what} {real} is not {kind}")
+    _refuse_unless_root_only(real, st, what, ancestor=False)
+    parent = os.path.dirname(real)
+    while True:
+        _refuse_unless_root_only(parent, os.stat(parent), what, ancestor=True)
+        if parent == "/":
+            return real
+        parent = os.path.dirname(parent)
+
+
+def _refuse_unless_root_only(path: str, st: os.stat_result, what: str, ancestor: bool) -> None:
+    writable = st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+    if ancestor and stat.S_ISDIR(st.st_mode) and st.st_mode & stat.S_ISVTX:
+        writable = 0
+    if st.st_uid != 0 or writable:
+        where = f"{path}, a directory above it," if ancestor else path
+        raise UnsafeSetup(
+            f"The agent refuses to run CRIU: its {what} is at {where} which is "
+            f"{'owned by uid ' + str(st.st_uid) if st.st_uid else 'writable by group or others'}"
+            f" (mode {stat.S_IMODE(st.st_mode):o}); anyone who can change it can run code "
+            "as root"
+        )
+
+
+@dataclass(frozen=True)
+class CriuSettings:
+    """What the agent's administrator chooses (root's configuration, never a request)."""
+
+    state_dir: str  # the agent's own directory: image store, CRIU's HOME
+    criu_path: str = "/usr/local/sbin/criu"
+    plugin_dir: str = str(PACKAGE_PLUGIN_DIR)
+    init_path: str = str(_PACKAGE / "bin" / "cedana-init")
+    pages_path: str = str(_PACKAGE / "bin" / "cedana-pages")
+    dump_timeout: float = 600.0
+    restore_timeout: float = 600.0
+    lazy_restore: bool = True
+
+
+class AgentEngine(CheckpointEngine):
+    """The checkpoint engine as the agent runs it: the same dump and restore code as a
+    root server's, with the fixed CRIU invocation of this module. Built from
+    CriuSettings only: no Jupyter configuration file is read."""
+
+    @validate("extra_dump_args", "extra_restore_args")
+    def _no_extra_args(self, proposal: Any) -> list[str]:
+        if proposal["value"]:
+            raise TraitError("the agent's CRIU takes no extra arguments")
+        return []
+
+    def __init__(self, settings: CriuSettings) -> None:
+        super().__init__(
+            config=Config(),
+            checkpoint_root=os.path.join(settings.state_dir, "images"),
+            criu_path=settings.criu_path,
+            criu_plugin_dir=settings.plugin_dir,
+            init_path=settings.init_path,
+            pages_path=settings.pages_path,
+            use_pid_namespace=True,
+            # The kernel is the agent's child and must outlive its server; the agent
+            # decides when it ends.
+            kernels_die_with_server=False,
+            # GPU checkpointing is not the agent's yet: kernels are treated as CPU-only.
+            gpu=False,
+            dump_timeout=settings.dump_timeout,
+            restore_timeout=settings.restore_timeout,
+            lazy_restore=settings.lazy_restore,
+        )
+        self.settings = settings
+        self._env = fixed_env(settings.state_dir)
+
+    def check_setup(self) -> None:
+        """Refuse (UnsafeSetup) unless everything the agent's CRIU runs or reads is root's."""
+        s = self.settings
+        check_root_only(s.state_dir, "state directory", is_dir=True)
+        if stat.S_IMODE(os.stat(s.state_dir).st_mode) & 0o077:
+            raise UnsafeSetup(f"The agent's state directory {s.state_dir} must be mode 0700")
+        check_root_only(s.criu_path, "criu binary", is_dir=False)
+        check_root_only(s.init_path, "cedana-init binary", is_dir=False)
+        check_root_only(s.pages_path, "cedana-pages binary", is_dir=False)
+        plugins = check_root_only(s.plugin_dir, "CRIU plugin directory", is_dir=True)
+        for entry in sorted(os.listdir(plugins)):
+            if entry.endswith(".so"):
+                check_root_only(os.path.join(plugins, entry), "CRIU plugin", is_dir=False)
+        conflict = self._plugin_conflict()
+        if conflict is not None:
+            raise UnsafeSetup(conflict)
+        if os.path.lexists(KDAT):
+            check_root_only(KDAT, "CRIU kernel-feature cache", is_dir=False)
+
+    # The engine's hooks, fixed.
+
+    def criu_env(self) -> dict[str, str]:
+        return dict(self._env)
+
+    def criu_cache_problem(self) -> str | None:
+        return None
+
+    def base_args(self, info: EngineInfo) -> list[str]:
+        return [info.criu_path or self.settings.criu_path, "--no-default-config"]
+
+    def probe(self, refresh: bool = False) -> EngineInfo:
+        if self._info is not None and not refresh:
+            return self._info
+        info = EngineInfo(False, None, None, None, True)
+        try:
+            self.check_setup()
+            out = subprocess.run(
+                [self.settings.criu_path, "--no-default-config", "--version"],
+                capture_output=True,
+                text=True,
+                timeout=30,
+                env=self.criu_env(),
+                cwd="/",
+            ).stdout
+        except (OSError, subprocess.SubprocessError, EngineUnavailable) as e:
+            info.reason = str(e)
+            self._info = info
+            return info
+        m = re.search(r"Version:\s*(\d+)\.(\d+)(?:\.(\d+))?", out)
+        if not m:
+            info.reason = f"cannot read the version of {self.settings.criu_path}"
+        elif (int(m.group(1)), int(m.group(2))) < MIN_CRIU:
+            info.reason = f"{self.settings.criu_path} is older than CRIU 4.2"
+        else:
+            version = ".".join(g for g in m.groups() if g is not None)
+            info = EngineInfo(True, None, self.settings.criu_path, version, True)
+        self._info = info
+        return info
+
+    def require(self) -> EngineInfo:
+        # Checked on every run, not once: a binary or directory may be changed later.
+        self.check_setup()
+        return super().require()
+
+    def lazy_unsupported(self) -> str | None:
+        if not self.lazy_restore:
+            return "lazy restore is off"
+        with self._lazy_lock:
+            if not self._lazy_probed:
+                info = self.require()
+                if not os.access(self.pages_binary(), os.X_OK):
+                    return f"{self.pages_binary()} is missing"
+                try:
+                    out = subprocess.run(
+                        [*self.base_args(info), "check", "--feature", "uffd-noncoop"],
+                        capture_output=True,
+                        text=True,
+                        timeout=30,
+                        env=self.criu_env(),
+                        cwd="/",
+                    )
+                except (OSError, subprocess.SubprocessError) as e:
+                    return f"criu check failed: {e}"
+                text = (out.stdout + out.stderr).strip()
+                if out.returncode != 0 or "is supported" not in text:
+                    self._lazy_reason = f"CRIU says userfaultfd is not usable: {text[-200:]}"
+                self._lazy_probed = True
+        return self._lazy_reason

@@ -1,0 +1,110 @@
+"""The agent's image store: `<state>/images/<uid>/<kernel_id>/`, root's alone.
+
+Every directory is 0700 and every file 0600, owned by root: a user can neither read an
+image (it holds the kernel's memory, secrets included) nor write, rename or plant one
+(CRIU treats images as trusted input: an image names the files it opens as root and the
+credentials its tasks get). Each uid's images live in a CheckpointStore of its own (the
+same atomic commit, checksums and verification a root server's images get) and count
+against that uid's quota. An image that fails the check before a restore
+(imagecheck.verify_owner) is moved aside to `<state>/refused/<uid>/` for the
+administrator, never restored and never silently deleted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import stat
+import time
+from pathlib import Path
+from typing import Any
+
+from ..checkpoint import CheckpointStore, validate_kernel_id
+from ..dumping import dir_bytes
+from .protocol import AgentError
+
+DEFAULT_QUOTA = 64 << 30
+
+
+def _private_dir(path: Path) -> Path:
+    """Make `path` a root-owned 0700 directory (its parent already is one) and refuse one
+    that is anything else: a link, another owner, a wider mode."""
+    with contextlib.suppress(FileExistsError):
+        path.mkdir(mode=0o700)
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != 0 or st.st_gid != 0:
+        raise AgentError("failed", f"the agent's image store at {path} is not root's directory")
+    if stat.S_IMODE(st.st_mode) != 0o700:
+        os.chmod(path, 0o700)
+    return path
+
+
+class ImageStore:
+    def __init__(self, state_dir: str | os.PathLike[str], quota_bytes: int = DEFAULT_QUOTA):
+        self.state_dir = Path(state_dir)
+        self.root = self.state_dir / "images"
+        self.refused_root = self.state_dir / "refused"
+        self.quota_bytes = quota_bytes
+
+    def for_uid(self, uid: int) -> CheckpointStore:
+        _private_dir(self.root)
+        return CheckpointStore(_private_dir(self.root / str(int(uid))))
+
+    def image_dir(self, uid: int, kernel_id: str) -> Path:
+        return self.for_uid(uid).path(validate_kernel_id(kernel_id))
+
+    def usage(self, uid: int, excluding: str | None = None) -> int:
+        """Bytes of a uid's images (and dumps in progress), but `excluding`'s image."""
+        base = self.root / str(int(uid))
+        if not base.is_dir():
+            return 0
+        total = 0
+        for entry in base.iterdir():
+            if entry.name == excluding or entry.is_symlink() or not entry.is_dir():
+                continue
+            total += dir_bytes(entry)
+        return total
+
+    def check_quota(self, uid: int, kernel_id: str, new_bytes: int) -> None:
+        """Refuse a new image of `new_bytes` (replacing the kernel's old one) over quota."""
+        used = self.usage(uid, excluding=kernel_id) - new_bytes  # the dump counts itself
+        if used + new_bytes > self.quota_bytes:
+            raise AgentError(
+                "refused",
+                f"the image of kernel {kernel_id} ({new_bytes} bytes) would exceed your "
+                f"image quota of {self.quota_bytes} bytes ({max(used, 0)} used by others)",
+            )
+
+    def images(self, uid: int) -> list[dict[str, Any]]:
+        store = self.for_uid(uid)
+        out = []
+        for kid in store.kernel_ids():
+            try:
+                manifest = store.read_manifest(kid)
+            except Exception:
+                continue
+            out.append(
+                {
+                    "kernel_id": kid,
+                    "bytes": int(manifest.get("total_bytes") or 0),
+                    "created": manifest.get("created"),
+                }
+            )
+        return out
+
+    def refuse(self, uid: int, kernel_id: str, reason: str) -> Path:
+        """Move a kernel's image out of use, with why, for the administrator."""
+        src = self.image_dir(uid, kernel_id)
+        _private_dir(self.refused_root)
+        dest_dir = _private_dir(self.refused_root / str(int(uid)))
+        dest = dest_dir / f"{kernel_id}.{time.strftime('%Y%m%dT%H%M%S')}.{time.monotonic_ns()}"
+        os.rename(src, dest)
+        fd = os.open(dest / "REFUSED.json", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump({"uid": uid, "kernel_id": kernel_id, "reason": reason}, f)
+        return dest
+
+    def refused(self, uid: int) -> list[str]:
+        base = self.refused_root / str(int(uid))
+        return sorted(p.name for p in base.iterdir()) if base.is_dir() else []
