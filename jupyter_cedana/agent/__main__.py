@@ -56,6 +56,11 @@ def parser() -> argparse.ArgumentParser:
         default=d.max_kernels_per_uid,
         help="kernels one uid may have at once",
     )
+    p.add_argument(
+        "--cedana-init",
+        default=None,
+        help="the kernels' init program (default: the one installed with jupyter-cedana)",
+    )
     p.add_argument("--log-level", default="INFO")
     return p
 
@@ -81,9 +86,9 @@ async def run(ns: argparse.Namespace) -> int:
         max_kernels_per_uid=ns.max_kernels_per_uid,
     )
     service = Service(ns.socket, ns.state_dir, limits)
-    Launcher(service).register()
-    _register_optional(service)
     try:
+        Launcher(service, ns.cedana_init).register()
+        _register_optional(service)
         await service.start()
     except UnsafeDirectory as e:
         print(f"jupyter-cedana-agent: {e}", file=sys.stderr)

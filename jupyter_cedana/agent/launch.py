@@ -25,7 +25,7 @@ from typing import Any
 from . import protocol
 from .kernels import KernelRecord, State
 from .protocol import AgentError
-from .service import Caller, Progress, Service
+from .service import Caller, Progress, Service, check_root_file
 
 _BIN = Path(__file__).resolve().parent.parent / "bin"
 
@@ -111,8 +111,10 @@ class Launcher:
         self.kernels_dir = service.state_dir / "kernels"
 
     def register(self) -> None:
-        for name in ("hello", "launch", "list", "poll", "signal", "wait", "release", "log"):
+        check_root_file(Path(self.init_binary))
+        for name in ("hello", "launch", "list", "poll", "signal", "release", "log"):
             self.service.register(name, getattr(self, f"op_{name}"))
+        self.service.register("wait", self.op_wait, cancel_on_disconnect=True)
 
     def work_dir(self, uid: int, kernel_id: str) -> Path:
         return self.kernels_dir / str(uid) / kernel_id

@@ -114,6 +114,22 @@ def check_private_dir(path: Path, *, create_mode: int) -> None:
             )
 
 
+def check_root_file(path: Path) -> None:
+    """Refuses a program the agent runs as root unless only root can change it (the file
+    and every directory above it): one a user could replace would run as root."""
+    path = Path(os.path.abspath(path))
+    try:
+        st = path.stat()
+    except OSError as e:
+        raise UnsafeDirectory(f"{path}: {e.strerror}") from None
+    if st.st_uid != 0 or st.st_mode & (stat.S_IWGRP | stat.S_IWOTH | stat.S_ISUID | stat.S_ISGID):
+        raise UnsafeDirectory(
+            f"{path} is owned by uid {st.st_uid} with mode {stat.filemode(st.st_mode)}: "
+            "a program the agent runs must be owned by root and writable by root only"
+        )
+    check_private_dir(path.parent, create_mode=0o755)
+
+
 class Service:
     """The agent: a Unix socket server with an op registry and the kernel records."""
 
@@ -125,6 +141,7 @@ class Service:
         self.limits = limits or Limits()
         self.kernels = KernelTable(max_per_uid=self.limits.max_kernels_per_uid)
         self._ops: dict[str, Handler] = {}
+        self.cancellable: set[str] = set()
         self._server: asyncio.Server | None = None
         self._connections: dict[int, int] = {}  # uid -> open connections
         self._conn_tasks: set[asyncio.Task[Any]] = set()
@@ -132,10 +149,16 @@ class Service:
 
     # -- registry -------------------------------------------------------------------------
 
-    def register(self, name: str, handler: Handler) -> None:
+    def register(self, name: str, handler: Handler, *, cancel_on_disconnect: bool = False) -> None:
+        """Adds an op. By default a request in flight when its client disconnects runs to
+        its end (a dump or launch cut in the middle is worse than a late one); ops that
+        only wait or read (`wait`) say `cancel_on_disconnect`, so that a client cannot
+        leave waits behind it by reconnecting."""
         if name in self._ops:
             raise ValueError(f"op {name!r} is registered already")
         self._ops[name] = handler
+        if cancel_on_disconnect:
+            self.cancellable.add(name)
 
     @property
     def ops(self) -> list[str]:
@@ -288,8 +311,11 @@ class Connection:
         self.reader = reader
         self.writer = writer
         self._write_lock = asyncio.Lock()
-        self._inflight: set[asyncio.Task[Any]] = set()
+        self._inflight: dict[asyncio.Task[Any], Any] = {}  # task -> its op
         self._slots = asyncio.Semaphore(self.limits.max_inflight)
+
+    def _forget(self, task: asyncio.Task[Any]) -> None:
+        self._inflight.pop(task, None)
 
     async def send(self, obj: dict[str, Any]) -> None:
         try:
@@ -348,13 +374,16 @@ class Connection:
                     return
                 await self._slots.acquire()
                 task = asyncio.ensure_future(self._handle(request_id, request))
-                self._inflight.add(task)
-                task.add_done_callback(self._inflight.discard)
+                self._inflight[task] = request.get("op")
+                task.add_done_callback(self._forget)
         except (ConnectionError, asyncio.IncompleteReadError):
             pass
         finally:
             # The client is gone: its requests' results have nobody to go to. Ops that
             # change a kernel finish anyway (a half-done dump is worse than a late one).
+            for task, op in list(self._inflight.items()):
+                if op in self.service.cancellable:
+                    task.cancel()
             if self._inflight:
                 await asyncio.gather(*self._inflight, return_exceptions=True)
 

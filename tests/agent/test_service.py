@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import stat
 import struct
@@ -226,3 +227,62 @@ def test_refuses_a_second_agent_on_the_same_socket(agent: Agent) -> None:
     err = _refused(agent.base)
     assert "an agent is serving" in err
     good_client_is_served(agent)
+
+
+def _admitted(agent: Agent) -> bool:
+    sock = agent.connect()
+    sock.sendall(request_frame("hello"))
+    reply = read_reply(sock)
+    sock.close()
+    return reply is not None and reply["ok"]
+
+
+def test_waits_of_a_gone_client_are_dropped(agent: Agent) -> None:
+    """A client that leaves `wait`s behind and reconnects cannot pile them up: they end
+    with their connection, which then no longer counts against the uid's share."""
+    kid = "0123abcd"
+    sock = agent.connect()
+    sock.sendall(request_frame("launch", {"kernel_id": kid, "argv": ["sleep", "3600"]}))
+    reply = read_reply(sock)
+    assert reply is not None and reply["ok"], reply
+    limit = int(agent.limits["max-connections-per-uid"])
+    held = [agent.connect() for _ in range(limit - 1)]
+    for s in [sock, *held]:
+        s.sendall(request_frame("wait", {"kernel_id": kid, "timeout": 3600}, rid=9))
+        s.sendall(request_frame("hello", rid=10))  # answered: the wait is in flight
+        answered = read_reply(s)
+        assert answered is not None and answered["id"] == 10
+    assert not _admitted(agent)  # the share is used up
+    for s in [sock, *held]:
+        s.close()
+    deadline = time.monotonic() + 30
+    while not _admitted(agent):
+        assert time.monotonic() < deadline, "connections with a wait in flight stayed counted"
+    # The kernel itself is untouched by its waiters' going.
+    again = agent.connect()
+    again.sendall(request_frame("poll", {"kernel_id": kid}))
+    polled = read_reply(again)
+    assert polled is not None and polled["result"] == {"returncode": None, "state": "running"}
+    again.sendall(request_frame("signal", {"kernel_id": kid, "signum": 9}, rid=2))
+    assert read_reply(again) is not None
+
+
+@pytest.mark.parametrize("where", ["file", "directory"])
+def test_refuses_an_init_program_users_can_replace(agent_base: Path, where: str) -> None:
+    bin_dir = agent_base / "bin"
+    bin_dir.mkdir(mode=0o755)
+    init = bin_dir / "cedana-init"
+    shutil.copy(_packaged_init(), init)
+    os.chmod(init, 0o755)
+    os.chown(init if where == "file" else bin_dir, 1001, 1001)
+    proc = start_agent(agent_base, "--cedana-init", str(init))
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 2, err
+    assert "owned by uid 1001" in err
+    assert str(init if where == "file" else bin_dir) in err
+
+
+def _packaged_init() -> str:
+    from jupyter_cedana.agent import launch
+
+    return str(launch._BIN / "cedana-init")
