@@ -1,21 +1,32 @@
 """Shared pieces of the CPU benchmarks: machine facts, plain file I/O of the same bytes on
 the same disk (the baseline every number is put beside), cache dropping, kernels under the
-cedana provisioner, the message gate's IOPub confirmation, and a memory sampler."""
+cedana provisioner, the message gate's IOPub confirmation, a memory sampler; and for the
+runs against a real jupyter server (torture.py, chaos.py): the server, a notebook-like
+websocket connection, the namespace hash, and the leftovers checks."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import datetime
+import hashlib
+import json
 import mmap
 import os
 import platform
+import signal
+import socket
 import statistics
 import subprocess
+import sys
 import threading
 import time
+import uuid
 from pathlib import Path
 from typing import Any
+
+from tornado.httpclient import AsyncHTTPClient, HTTPClientError, HTTPRequest
+from tornado.websocket import WebSocketClientConnection, websocket_connect
 
 GB = 1e9
 CHUNK = 8 << 20
@@ -389,3 +400,253 @@ async def resume_after_idle(km: Any, kc: Any, idle: float, lazy: bool) -> dict[s
         "all_in_s": in_at - m0 if in_at is not None else resume_s,
         "lazy": bool(b.get("lazy")),
     }
+
+
+# -- a real jupyter server, and what a run leaves behind (torture.py, chaos.py) --------
+
+HASH_CODE = (
+    "import hashlib as _h; ns = globals().setdefault('ns', {}); "
+    "print('NS=' + _h.sha256(repr(sorted(ns.items())).encode()).hexdigest())"
+)
+
+
+def ns_hash(ns: dict[str, Any]) -> str:
+    return hashlib.sha256(repr(sorted(ns.items())).encode()).hexdigest()
+
+
+class Failure(Exception):
+    """Something a user would see as broken (not a refusal the API documents)."""
+
+
+class Server:
+    """A jupyter server subprocess with the extension, on a private runtime and root."""
+
+    def __init__(
+        self,
+        workdir: Path,
+        idle_timeout: float,
+        check_interval: float,
+        extra_args: list[str] | None = None,
+    ):
+        self.workdir = workdir
+        self.root = workdir / "checkpoints"
+        self.runtime = workdir / "runtime"
+        self.token = uuid.uuid4().hex
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.idle_timeout = idle_timeout
+        self.check_interval = check_interval
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.log = workdir / "server.log"
+        self.extra_args = list(extra_args or [])
+
+    def start(self) -> None:
+        (self.workdir / "notebooks").mkdir(parents=True, exist_ok=True)
+        self.runtime.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, "JUPYTER_RUNTIME_DIR": str(self.runtime)}
+        cmd = [
+            sys.executable,
+            "-m",
+            "jupyter_server",
+            "--no-browser",
+            f"--ServerApp.port={self.port}",
+            "--ServerApp.port_retries=0",
+            f"--IdentityProvider.token={self.token}",
+            f"--ServerApp.root_dir={self.workdir / 'notebooks'}",
+            f"--CedanaApp.checkpoint_root={self.root}",
+            f"--SuspendPolicy.idle_timeout={self.idle_timeout}",
+            f"--SuspendPolicy.check_interval={self.check_interval}",
+            "--allow-root",
+            *self.extra_args,
+        ]
+        # Appended to: a run that starts servers again on the same root keeps every log.
+        with open(self.log, "ab") as log:
+            self.proc = subprocess.Popen(
+                cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env
+            )
+
+    async def wait_ready(self, timeout: float = 120) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.proc is not None
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"jupyter server exited; see {self.log}")
+            with contextlib.suppress(Exception):
+                status, _ = await self.call("GET", "/api/cedana/status")
+                if status == 200:
+                    return
+            await asyncio.sleep(0.2)
+        raise RuntimeError("jupyter server did not start")
+
+    async def call(
+        self, method: str, path: str, body: Any = None, timeout: float = 300
+    ) -> tuple[int, Any]:
+        req = HTTPRequest(
+            self.url + path,
+            method=method,
+            headers={"Authorization": f"token {self.token}"},
+            body=json.dumps(body or {}) if method == "POST" else None,
+            request_timeout=timeout,
+            allow_nonstandard_methods=True,
+        )
+        try:
+            r = await AsyncHTTPClient().fetch(req)
+            return r.code, json.loads(r.body) if r.body else None
+        except HTTPClientError as e:
+            data = None
+            if e.response is not None and e.response.body:
+                with contextlib.suppress(ValueError):
+                    data = json.loads(e.response.body)
+            return e.code, data
+
+    async def connect(self, kernel_id: str) -> Conn:
+        ws = await websocket_connect(
+            HTTPRequest(
+                f"ws://127.0.0.1:{self.port}/api/kernels/{kernel_id}/channels"
+                f"?session_id={uuid.uuid4().hex}",
+                headers={"Authorization": f"token {self.token}"},
+            )
+        )
+        return Conn(ws)
+
+    def kill(self) -> None:
+        """SIGKILL, as the OOM killer or a crash would end it."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+        if self.proc is not None:
+            self.proc.wait()
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(120)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+class Conn:
+    """A notebook-like websocket connection (JSON protocol)."""
+
+    def __init__(self, ws: WebSocketClientConnection):
+        self.ws = ws
+        self.session = uuid.uuid4().hex
+
+    def send(self, msg_type: str, content: dict[str, Any], channel: str = "shell") -> str:
+        msg_id = uuid.uuid4().hex
+        msg = {
+            "header": {
+                "msg_id": msg_id,
+                "msg_type": msg_type,
+                "session": self.session,
+                "username": "bench",
+                "date": "",
+                "version": "5.3",
+            },
+            "parent_header": {},
+            "metadata": {},
+            "content": content,
+            "channel": channel,
+            "buffers": [],
+        }
+        self.ws.write_message(json.dumps(msg))
+        return msg_id
+
+    async def reply(
+        self, msg_id: str, timeout: float, on_busy: Any = None
+    ) -> tuple[dict[str, Any], str]:
+        """The reply to msg_id and its stdout, once the kernel went idle for it."""
+        return (await self.replies([msg_id], timeout, on_busy))[msg_id]
+
+    async def replies(
+        self, msg_ids: list[str], timeout: float, on_busy: Any = None
+    ) -> dict[str, tuple[dict[str, Any], str]]:
+        """Replies and stdout of several requests, read together (their messages
+        interleave), each done once the kernel went idle for it."""
+        got: dict[str, dict[str, Any]] = {
+            m: {"reply": None, "idle": False, "out": ""} for m in msg_ids
+        }
+        deadline = time.monotonic() + timeout
+        while not all(g["reply"] is not None and g["idle"] for g in got.values()):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise Failure(f"no reply in {timeout:.0f} s: {got}")
+            raw = await asyncio.wait_for(self.ws.read_message(), left)
+            if raw is None:
+                raise Failure("websocket closed")
+            msg = json.loads(raw)
+            g = got.get(str((msg.get("parent_header") or {}).get("msg_id")))
+            if g is None:
+                continue
+            kind = msg["msg_type"]
+            if kind.endswith("_reply"):
+                g["reply"] = msg["content"]
+            elif kind == "stream":
+                g["out"] += msg["content"]["text"]
+            elif kind == "status":
+                state = msg["content"]["execution_state"]
+                if state == "busy" and on_busy is not None:
+                    await on_busy()
+                    on_busy = None
+                g["idle"] = g["idle"] or state == "idle"
+        return {m: (g["reply"], g["out"]) for m, g in got.items()}
+
+    async def execute(self, code: str, timeout: float, on_busy: Any = None) -> tuple[Any, str]:
+        return await self.reply(
+            self.send("execute_request", {"code": code, "silent": False}), timeout, on_busy
+        )
+
+    def close(self) -> None:
+        self.ws.close()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def process_leaks(marks: tuple[str, ...], exclude: set[int]) -> list[str]:
+    """Live processes (not zombies) whose command line names one of `marks` (a run's
+    runtime dir, its checkpoint root), but for the pids in `exclude`."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) in exclude:
+            continue
+        try:
+            cmd = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        if stat.rsplit(")", 1)[1].split()[0] == "Z":
+            continue
+        if any(m in cmd for m in marks):
+            found.append(f"{entry}: {cmd[:120]}")
+    return found
+
+
+def port_leaks(ports: list[int]) -> list[int]:
+    """The ports of `ports` something still listens on (127.0.0.1)."""
+    leaked = []
+    for port in ports:
+        with socket.socket() as s:
+            s.settimeout(0.5)
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                leaked.append(port)
+    return leaked
+
+
+def store_leftovers(root: Path) -> list[str]:
+    """What a checkpoint root holds besides its marker: image directories, and whatever is
+    left inside its bookkeeping directories (the directories themselves are the store's)."""
+    found: list[str] = []
+    if root.is_dir():
+        for p in root.iterdir():
+            if p.name == ".jupyter-cedana":  # the store's marker, not an image
+                continue
+            if p.name in (".logs", ".work", ".parked"):
+                found += [f"{p.name}/{c.name}" for c in p.iterdir()]
+            else:
+                found.append(p.name)
+    return found

@@ -18,24 +18,29 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import hashlib
 import json
 import os
 import random
 import shutil
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
-import uuid
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from tornado.httpclient import AsyncHTTPClient, HTTPClientError, HTTPRequest
-from tornado.websocket import WebSocketClientConnection, websocket_connect
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from benchlib import (
+    HASH_CODE,
+    Conn,
+    Failure,
+    Server,
+    ns_hash,
+    port_leaks,
+    process_leaks,
+    store_leftovers,
+)
 
 OPS = {
     "cell": 30,
@@ -48,185 +53,6 @@ OPS = {
     "concurrent": 8,
     "idle": 2,
 }
-HASH_CODE = (
-    "import hashlib as _h; ns = globals().setdefault('ns', {}); "
-    "print('NS=' + _h.sha256(repr(sorted(ns.items())).encode()).hexdigest())"
-)
-
-
-def ns_hash(ns: dict[str, Any]) -> str:
-    return hashlib.sha256(repr(sorted(ns.items())).encode()).hexdigest()
-
-
-class Failure(Exception):
-    """Something a user would see as broken (not a refusal the API documents)."""
-
-
-class Server:
-    """A jupyter server subprocess with the extension, on a private runtime and root."""
-
-    def __init__(self, workdir: Path, idle_timeout: float, check_interval: float):
-        self.workdir = workdir
-        self.root = workdir / "checkpoints"
-        self.runtime = workdir / "runtime"
-        self.token = uuid.uuid4().hex
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.idle_timeout = idle_timeout
-        self.check_interval = check_interval
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.log = workdir / "server.log"
-
-    def start(self) -> None:
-        (self.workdir / "notebooks").mkdir(parents=True, exist_ok=True)
-        self.runtime.mkdir(parents=True, exist_ok=True)
-        env = {**os.environ, "JUPYTER_RUNTIME_DIR": str(self.runtime)}
-        cmd = [
-            sys.executable,
-            "-m",
-            "jupyter_server",
-            "--no-browser",
-            f"--ServerApp.port={self.port}",
-            "--ServerApp.port_retries=0",
-            f"--IdentityProvider.token={self.token}",
-            f"--ServerApp.root_dir={self.workdir / 'notebooks'}",
-            f"--CedanaApp.checkpoint_root={self.root}",
-            f"--SuspendPolicy.idle_timeout={self.idle_timeout}",
-            f"--SuspendPolicy.check_interval={self.check_interval}",
-            "--allow-root",
-        ]
-        with open(self.log, "wb") as log:
-            self.proc = subprocess.Popen(
-                cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env
-            )
-
-    async def wait_ready(self, timeout: float = 120) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            assert self.proc is not None
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"jupyter server exited; see {self.log}")
-            with contextlib.suppress(Exception):
-                status, _ = await self.call("GET", "/api/cedana/status")
-                if status == 200:
-                    return
-            await asyncio.sleep(0.2)
-        raise RuntimeError("jupyter server did not start")
-
-    async def call(
-        self, method: str, path: str, body: Any = None, timeout: float = 300
-    ) -> tuple[int, Any]:
-        req = HTTPRequest(
-            self.url + path,
-            method=method,
-            headers={"Authorization": f"token {self.token}"},
-            body=json.dumps(body or {}) if method == "POST" else None,
-            request_timeout=timeout,
-            allow_nonstandard_methods=True,
-        )
-        try:
-            r = await AsyncHTTPClient().fetch(req)
-            return r.code, json.loads(r.body) if r.body else None
-        except HTTPClientError as e:
-            data = None
-            if e.response is not None and e.response.body:
-                with contextlib.suppress(ValueError):
-                    data = json.loads(e.response.body)
-            return e.code, data
-
-    async def connect(self, kernel_id: str) -> Conn:
-        ws = await websocket_connect(
-            HTTPRequest(
-                f"ws://127.0.0.1:{self.port}/api/kernels/{kernel_id}/channels"
-                f"?session_id={uuid.uuid4().hex}",
-                headers={"Authorization": f"token {self.token}"},
-            )
-        )
-        return Conn(ws)
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(120)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-
-
-class Conn:
-    """A notebook-like websocket connection (JSON protocol)."""
-
-    def __init__(self, ws: WebSocketClientConnection):
-        self.ws = ws
-        self.session = uuid.uuid4().hex
-
-    def send(self, msg_type: str, content: dict[str, Any], channel: str = "shell") -> str:
-        msg_id = uuid.uuid4().hex
-        msg = {
-            "header": {
-                "msg_id": msg_id,
-                "msg_type": msg_type,
-                "session": self.session,
-                "username": "torture",
-                "date": "",
-                "version": "5.3",
-            },
-            "parent_header": {},
-            "metadata": {},
-            "content": content,
-            "channel": channel,
-            "buffers": [],
-        }
-        self.ws.write_message(json.dumps(msg))
-        return msg_id
-
-    async def reply(
-        self, msg_id: str, timeout: float, on_busy: Any = None
-    ) -> tuple[dict[str, Any], str]:
-        """The reply to msg_id and its stdout, once the kernel went idle for it."""
-        return (await self.replies([msg_id], timeout, on_busy))[msg_id]
-
-    async def replies(
-        self, msg_ids: list[str], timeout: float, on_busy: Any = None
-    ) -> dict[str, tuple[dict[str, Any], str]]:
-        """Replies and stdout of several requests, read together (their messages
-        interleave), each done once the kernel went idle for it."""
-        got: dict[str, dict[str, Any]] = {
-            m: {"reply": None, "idle": False, "out": ""} for m in msg_ids
-        }
-        deadline = time.monotonic() + timeout
-        while not all(g["reply"] is not None and g["idle"] for g in got.values()):
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise Failure(f"no reply in {timeout:.0f} s: {got}")
-            raw = await asyncio.wait_for(self.ws.read_message(), left)
-            if raw is None:
-                raise Failure("websocket closed")
-            msg = json.loads(raw)
-            g = got.get((msg.get("parent_header") or {}).get("msg_id"))
-            if g is None:
-                continue
-            kind = msg["msg_type"]
-            if kind.endswith("_reply"):
-                g["reply"] = msg["content"]
-            elif kind == "stream":
-                g["out"] += msg["content"]["text"]
-            elif kind == "status":
-                state = msg["content"]["execution_state"]
-                if state == "busy" and on_busy is not None:
-                    await on_busy()
-                    on_busy = None
-                g["idle"] = g["idle"] or state == "idle"
-        return {m: (g["reply"], g["out"]) for m, g in got.items()}
-
-    async def execute(self, code: str, timeout: float, on_busy: Any = None) -> tuple[Any, str]:
-        return await self.reply(
-            self.send("execute_request", {"code": code, "silent": False}), timeout, on_busy
-        )
-
-    def close(self) -> None:
-        self.ws.close()
 
 
 class Torture:
@@ -478,16 +304,7 @@ class Torture:
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline and (self.process_leaks() or self.port_leaks()):
             await asyncio.sleep(0.5)
-        images = []
-        if self.server.root.is_dir():
-            for p in self.server.root.iterdir():
-                if p.name == ".jupyter-cedana":  # the store's marker, not an image
-                    continue
-                # Bookkeeping directories are the store's own; what is left inside them is not.
-                if p.name in (".logs", ".work", ".parked"):
-                    images += [f"{p.name}/{c.name}" for c in p.iterdir()]
-                else:
-                    images.append(p.name)
+        images = store_leftovers(self.server.root)
         status, listed = await self.server.call("GET", "/api/kernels")
         return {
             "processes": self.process_leaks(),
@@ -499,38 +316,11 @@ class Torture:
     def process_leaks(self) -> list[str]:
         """Processes that belong to this run's kernels: their command line names this
         run's runtime dir or checkpoint root."""
-        found = []
-        marks = (str(self.server.runtime), str(self.server.root))
         me = {os.getpid(), self.server.proc.pid if self.server.proc else -1}
-        for entry in os.listdir("/proc"):
-            if not entry.isdigit() or int(entry) in me:
-                continue
-            try:
-                cmd = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            if stat.rsplit(")", 1)[1].split()[0] == "Z":
-                continue
-            if any(m in cmd for m in marks):
-                found.append(f"{entry}: {cmd[:120]}")
-        return found
+        return process_leaks((str(self.server.runtime), str(self.server.root)), me)
 
     def port_leaks(self) -> list[int]:
-        leaked = []
-        for ports in self.ports.values():
-            for port in ports:
-                with socket.socket() as s:
-                    s.settimeout(0.5)
-                    if s.connect_ex(("127.0.0.1", port)) == 0:
-                        leaked.append(port)
-        return leaked
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+        return port_leaks([p for ports in self.ports.values() for p in ports])
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
