@@ -81,3 +81,12 @@ def configured_agent(agent_base: Path) -> Iterator[Any]:
     yield make
     for a in started:
         stop(a)
+
+
+@pytest.fixture
+def loose_kernels() -> Iterator[list[Any]]:
+    """Kernels (test_launch.Kernel) of an agent started by `configured_agent`, closed after."""
+    made: list[Any] = []
+    yield made
+    for k in made:
+        k.close()
