@@ -146,6 +146,7 @@ class Service:
         self._connections: dict[int, int] = {}  # uid -> open connections
         self._conn_tasks: set[asyncio.Task[Any]] = set()
         self._writers: set[asyncio.StreamWriter] = set()
+        self._lingering = 0
 
     # -- registry -------------------------------------------------------------------------
 
@@ -230,7 +231,14 @@ class Service:
         if refusal is not None:
             with contextlib.suppress(Exception):
                 writer.write(protocol.encode(_error(None, refusal), self.limits.max_response))
-                await linger_close(reader, writer)
+                # Lingering holds a descriptor: under a flood, refuse without it, so that
+                # refused connections cannot use up the agent's descriptors.
+                if self._lingering < MAX_LINGERING:
+                    self._lingering += 1
+                    try:
+                        await linger_close(reader, writer)
+                    finally:
+                        self._lingering -= 1
             writer.close()
             self._conn_tasks.discard(task)
             return
@@ -278,6 +286,7 @@ class Service:
 
 
 LINGER_SECONDS = 1.0
+MAX_LINGERING = 64
 
 
 async def linger_close(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
