@@ -71,15 +71,22 @@ def test_store_is_roots_alone(
         want = 0o700 if stat.S_ISDIR(st.st_mode) else 0o600
         assert stat.S_IMODE(st.st_mode) == want, (path, oct(st.st_mode))
     paths = [str(agent.state_dir / "images"), str(mine), str(theirs)]
-    out = subprocess.run(
-        ["runuser", "-u", "cedana-test", "--", USER_PYTHON, "-c", ATTEMPTS, *paths],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        cwd="/",
-    )
-    results = json.loads(out.stdout)
-    assert results and all(v == "PermissionError" for v in results.values()), results
+    # As the store is, and with the directories above the user's part opened for
+    # traversal: each level keeps the user out by itself.
+    for opened in ([], [agent.state_dir, agent.state_dir / "images"]):
+        for d in opened:
+            os.chmod(d, 0o711)
+        out = subprocess.run(
+            ["runuser", "-u", "cedana-test", "--", USER_PYTHON, "-c", ATTEMPTS, *paths],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd="/",
+        )
+        for d in opened:
+            os.chmod(d, 0o700)
+        results = json.loads(out.stdout)
+        assert results and all(v == "PermissionError" for v in results.values()), results
     assert sorted(p.name for p in mine.iterdir()) == [theirs.name]
 
 
