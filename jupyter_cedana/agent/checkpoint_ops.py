@@ -13,17 +13,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import signal
 import subprocess
 from pathlib import Path
 from typing import Any, cast
 
-from ..checkpoint import validate_kernel_id
+from .. import lazy as lazy_pages
+from ..checkpoint import CheckpointStore, validate_kernel_id
 from ..crimg import ImageError, mark_lazy
 from ..dumping import dir_bytes
 from ..engine import kill_restore
 from ..errors import CedanaError
+from ..integrity import is_page_file
 from ..proctree import process_tree
 from .criu import AgentEngine, CriuSettings, UnsafeSetup
 from .imagecheck import ImageRefused, verify_owner
@@ -33,6 +36,7 @@ from .protocol import AgentError
 from .service import Caller, Progress, Service, user_groups
 
 CONFIG_NAME = "checkpoint.json"
+_log = logging.getLogger("jupyter_cedana.agent")
 
 
 def _kernel_id(args: dict[str, Any]) -> str:
@@ -106,6 +110,7 @@ class CheckpointOps:
         self.kernels = service.kernels
         self.engine = AgentEngine(settings)
         self.store = ImageStore(settings.state_dir, quota_bytes)
+        self._loading: set[asyncio.Future[None]] = set()
 
     def register(self, service: Service) -> None:
         service.register("dump", self.op_dump)
@@ -199,8 +204,17 @@ class CheckpointOps:
             if record.state != State.dumped:
                 raise AgentError("conflict", f"kernel {kid} is {record.state.value}, not dumped")
             images = store.path(kid)
+            manifest: dict[str, Any] | None = None
             try:
-                await asyncio.to_thread(store.verify, kid)
+                if lazy and await asyncio.to_thread(self.engine.lazy_unsupported) is None:
+                    manifest = await asyncio.to_thread(store.check_sizes, kid)
+                    if not _chunked(manifest):
+                        manifest = None  # an image without chunk tables goes whole
+                if manifest is not None:
+                    # What CRIU reads itself; the pages are checked as they are served.
+                    await asyncio.to_thread(store.verify_small_files, kid, manifest)
+                else:
+                    await asyncio.to_thread(store.verify, kid)
                 await asyncio.to_thread(
                     verify_owner,
                     images,
@@ -220,27 +234,83 @@ class CheckpointOps:
             except CedanaError as e:
                 raise AgentError("failed", e.message) from e
             record.state = State.restoring
+            work = store.work_dir(kid)
+            (work / "restored.pid").unlink(missing_ok=True)
+            pages: lazy_pages.PageServer | None = None
             try:
-                pid, keeper = await self._restore(
-                    store.work_dir(kid), images, caller.uid, caller.gid
-                )
+                if manifest is not None:
+                    pages = await self._page_server(store, kid, manifest, work, images)
+                pid, keeper = await self._restore(work, images, caller.uid, caller.gid, pages)
             except BaseException:
                 record.state = State.dumped
                 raise
             self.kernels.mark_restored(
                 caller.uid, kid, pid, cast(asyncio.subprocess.Process, _Keeper(keeper))
             )
-            with contextlib.suppress(OSError):
-                store.remove_image(kid)
-        return {"kernel_id": kid, "pid": pid, "lazy": False}
+            if pages is None:
+                with contextlib.suppress(OSError):
+                    store.remove_image(kid)
+            else:
+                # The image stays until every page is in.
+                task = asyncio.ensure_future(self._load_memory(pages, store, kid, pid))
+                self._loading.add(task)
+                task.add_done_callback(self._loading.discard)
+        return {"kernel_id": kid, "pid": pid, "lazy": pages is not None}
+
+    async def _page_server(
+        self,
+        store: CheckpointStore,
+        kid: str,
+        manifest: dict[str, Any],
+        work: Path,
+        images: Path,
+    ) -> lazy_pages.PageServer:
+        plan = await asyncio.to_thread(
+            lazy_pages.check_before_restore, store, kid, manifest, work, True
+        )
+        pages = lazy_pages.PageServer(
+            self.engine.pages_binary(),
+            images,
+            work,
+            work / "restored.pid",
+            plan,
+            _log,
+            copiers=self.engine.lazy_copy_threads,
+        )
+        await pages.start()
+        return pages
+
+    async def _load_memory(
+        self, pages: lazy_pages.PageServer, store: CheckpointStore, kid: str, pid: int
+    ) -> None:
+        """A lazily restored kernel's memory coming in; then its image goes. If it cannot
+        all come in, the kernel is killed (it must not run on with missing memory) and
+        the image is kept."""
+        try:
+            await asyncio.shield(pages.done)
+        except lazy_pages.KernelExited:
+            await pages.stop()
+            return
+        except BaseException as e:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+            await pages.stop()
+            _log.error("Kernel %s killed, its image kept: %s", kid, e)
+            return
+        await pages.stop()
+        with contextlib.suppress(OSError):
+            store.remove_image(kid)
 
     async def _restore(
-        self, work: Path, images: Path, uid: int, gid: int
+        self,
+        work: Path,
+        images: Path,
+        uid: int,
+        gid: int,
+        pages: lazy_pages.PageServer | None,
     ) -> tuple[int, subprocess.Popen[bytes]]:
-        # Whole restores only for now: lazy ones need the page server wired in here.
         pidfile = work / "restored.pid"
-        pidfile.unlink(missing_ok=True)
-        proc = self.engine.start_restore(images, work, pidfile, lazy=False)
+        proc = self.engine.start_restore(images, work, pidfile, lazy=pages is not None)
         pid = 0
         try:
             pid = await self.engine.wait_restored(proc, work, pidfile)
@@ -257,6 +327,8 @@ class CheckpointOps:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
             await asyncio.to_thread(kill_restore, proc)
+            if pages is not None:
+                await pages.stop()
             if isinstance(e, ImageRefused):
                 raise AgentError("refused", str(e)) from e
             if isinstance(e, CedanaError):
@@ -284,6 +356,11 @@ class CheckpointOps:
             "quota_bytes": self.store.quota_bytes,
             "used_bytes": self.store.usage(caller.uid),
         }
+
+
+async def _chunked(manifest: dict[str, Any]) -> bool:
+    pages = [m for n, m in manifest["files"].items() if is_page_file(n)]
+    return bool(pages) and all("chunks" in m for m in pages)
 
 
 async def _stopped_tree(root: int, timeout: float = 10.0) -> set[int]:

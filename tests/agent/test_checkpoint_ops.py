@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 from . import test_launch
@@ -52,6 +53,25 @@ def test_root_kernel_dump_restore_keeps_state(agent: Agent, kernels: list[Kernel
     assert kernel.run("print(state[0] + 1)").strip() == "42"
     # The image goes once its kernel runs again.
     assert agent.run_as(ROOT, "images")["result"]["images"] == []
+
+
+def test_root_kernel_lazy_restore(agent: Agent, kernels: list[Kernel]) -> None:
+    kernel = launch_root(agent, kernels)
+    kernel.run("import numpy; big = numpy.arange(4 << 20); total = int(big.sum())")
+    assert agent.run_as(ROOT, "dump", {"kernel_id": kernel.id})["ok"]
+    reply = agent.run_as(ROOT, "restore", {"kernel_id": kernel.id, "lazy": True})
+    assert reply["ok"], reply
+    assert reply["result"]["lazy"] is True
+    reconnect(kernel)
+    assert kernel.run("print(int(big.sum()) == total, big[-1])").split() == [
+        "True",
+        str((4 << 20) - 1),
+    ]
+    # The image goes once all the memory is in.
+    deadline = time.monotonic() + 60
+    while agent.run_as(ROOT, "images")["result"]["images"]:
+        assert time.monotonic() < deadline, "the image outlived the lazy restore"
+        time.sleep(0.2)
 
 
 @needs_sys_resource
