@@ -110,7 +110,8 @@ class CheckpointOps:
         self.kernels = service.kernels
         self.engine = AgentEngine(settings)
         self.store = ImageStore(settings.state_dir, quota_bytes)
-        self._loading: set[asyncio.Future[None]] = set()
+        # (uid, kernel id) -> a lazily restored kernel's memory coming in.
+        self._loading: dict[tuple[int, str], asyncio.Future[None]] = {}
 
     def register(self, service: Service) -> None:
         service.register("dump", self.op_dump)
@@ -132,6 +133,9 @@ class CheckpointOps:
         async with record.lock:
             if record.state != State.running or record.init_pid <= 0:
                 raise AgentError("conflict", f"kernel {kid} is {record.state.value}, not running")
+            if (caller.uid, kid) in self._loading:
+                # Its memory is still coming in from the last image.
+                raise AgentError("busy", f"kernel {kid} is still loading its memory; try later")
             self._require()
             store = self.store.for_uid(caller.uid)
             record.state = State.dumping
@@ -252,9 +256,10 @@ class CheckpointOps:
                     store.remove_image(kid)
             else:
                 # The image stays until every page is in.
+                key = (caller.uid, kid)
                 task = asyncio.ensure_future(self._load_memory(pages, store, kid, pid))
-                self._loading.add(task)
-                task.add_done_callback(self._loading.discard)
+                self._loading[key] = task
+                task.add_done_callback(lambda t: self._loading.pop(key, None))
         return {"kernel_id": kid, "pid": pid, "lazy": pages is not None}
 
     async def _page_server(
