@@ -555,6 +555,12 @@ class Chaos:
                     plan = list(phases)
                     self.rng.shuffle(plan)
                 aim = plan.pop()
+                if aim in ("gc", "adopt"):
+                    # These kills are about the suspended kernels: the big ones among
+                    # them (a dump before the kill, not a refill after it).
+                    for k in [k for k in self.kernels.values() if k.big]:
+                        if k.state != "suspended":
+                            await self.op_suspend(k)
                 if aim == "adopt":
                     # Kill once (anywhere), then kill the start that adopts what is left:
                     # two kernels at least are suspended, so that one is adopted while
@@ -711,10 +717,10 @@ def table(report: dict[str, Any]) -> str:
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--kills", type=int, default=100)
-    p.add_argument("--kernels", type=int, default=6, help="kernels kept alive (N)")
-    p.add_argument("--big", type=int, default=2, help="how many of them are big")
-    p.add_argument("--big-gb", type=float, default=2.0, help="memory of a big kernel (GB)")
-    p.add_argument("--ops", type=int, default=6, help="at most this many operations between kills")
+    p.add_argument("--kernels", type=int, default=5, help="kernels kept alive (N)")
+    p.add_argument("--big", type=int, default=1, help="how many of them are big")
+    p.add_argument("--big-gb", type=float, default=1.5, help="memory of a big kernel (GB)")
+    p.add_argument("--ops", type=int, default=4, help="at most this many operations between kills")
     p.add_argument("--phases", default=",".join(PHASES), help="kill points, in turn (shuffled)")
     p.add_argument("--seconds", type=float, default=0, help="start no kill after this")
     p.add_argument("--seed", type=int, default=1)
@@ -723,11 +729,15 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--json", default=None, help="write the report here")
     p.add_argument("--keep", action="store_true", help="keep the run's directory (logs)")
     p.add_argument("--verbose", action="store_true")
+    p.add_argument("--table", default=None, help="only print the table of this JSON report")
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
+    if args.table:
+        print(table(json.loads(Path(args.table).read_text())))
+        return 0
     chaos = Chaos(args)
     report = asyncio.run(chaos.run())
     if args.json:
