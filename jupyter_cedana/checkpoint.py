@@ -397,24 +397,45 @@ class CheckpointStore:
         return crcs
 
     def verify_small_files(self, kernel_id: str, manifest: dict[str, Any]) -> None:
-        """CRC of every file that is not a page file (page files are checked by chunk)."""
-        base = self.path(kernel_id)
-        small = [n for n, m in manifest["files"].items() if "crc32" in m and not is_page_file(n)]
+        """CRC of every file that is not a page file (page files are checked by chunk),
+        the bases' included (CRIU reads their page maps)."""
+        small = [
+            (base / name, prefix + name, meta["crc32"])
+            for base, layer, prefix in self.layers(kernel_id, manifest)
+            for name, meta in layer["files"].items()
+            if "crc32" in meta and not is_page_file(name)
+        ]
         # Dozens of files, cold after a long suspend: all asked of the disk at once.
-        readahead.read_ahead({str(base / name): [(0, 0)] for name in small})
-        for name in small:
-            if file_crc32(base / name) != manifest["files"][name]["crc32"]:
+        readahead.read_ahead({str(path): [(0, 0)] for path, _, _ in small})
+        for path, name, crc in small:
+            if file_crc32(path) != crc:
                 raise CheckpointCorrupt(
                     f"Checkpoint of {kernel_id} is corrupted: checksum mismatch in {name}"
                 )
 
+    def layer_of(
+        self, kernel_id: str, manifest: dict[str, Any], name: str
+    ) -> tuple[Path, dict[str, Any], str]:
+        """(directory, manifest, plain name) of the layer holding `name`: base/ prefixes
+        name the bases (a file of the image itself has none)."""
+        depth = 0
+        while name.startswith(BASE_NAME + "/"):
+            name = name[len(BASE_NAME) + 1 :]
+            depth += 1
+        layers = self.layers(kernel_id, manifest)
+        if depth >= len(layers):
+            raise CheckpointCorrupt(f"Checkpoint of {kernel_id} has no base for {name}")
+        where, layer, _ = layers[depth]
+        return where, layer, name
+
     def verify_chunks(
         self, kernel_id: str, manifest: dict[str, Any], name: str, chunks: set[int]
     ) -> None:
-        """Check just these chunks of page file `name`."""
-        bad = self._bad_chunk(kernel_id, manifest, name, None, chunks)
+        """Check just these chunks of page file `name` (of a base: base/NAME)."""
+        where, layer, plain = self.layer_of(kernel_id, manifest, name)
+        bad = self._bad_chunk_in(where, kernel_id, layer, plain, None, chunks)
         if bad is not None:
-            meta = manifest["files"][name]
+            meta = layer["files"][plain]
             raise CheckpointCorrupt(self._bad_chunk_message(kernel_id, name, meta, bad))
 
     def _bad_chunk(

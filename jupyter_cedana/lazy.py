@@ -4,7 +4,9 @@ background, checking each chunk's CRC before any page of it reaches the kernel.
 
 Before CRIU runs, the image is checked as far as the restore itself reads it: every file
 size, every file that is not a page file, and the chunks holding the pages CRIU restores
-itself (stacks). The page files are checked chunk by chunk as they are served.
+itself (stacks). The page files are checked chunk by chunk as they are served. An
+incremental image's pages in its bases (incremental.py) are served from the bases' page
+files, checked by their own chunk tables.
 
 A damaged chunk, a failed read, or the page server dying: the kernel must not run on with
 wrong memory. The server holds a copy of every userfaultfd, so a missing page blocks the
@@ -81,18 +83,55 @@ def plan(store: CheckpointStore, kernel_id: str, manifest: dict[str, Any], work:
     """Read the image's page maps and write the page server's map into `work`. Call only
     after the image's small files are verified (the map is built from them)."""
     images = store.path(kernel_id)
-    files = manifest["files"]
-    page_files = sorted(n for n, m in files.items() if "chunks" in m)
-    index = {name: i for i, name in enumerate(page_files)}
-    chunk_size = files[page_files[0]]["chunk_size"] if page_files else 4096
-    if any(files[n]["chunk_size"] != chunk_size for n in page_files):
+    # The image's page files, then its bases' (an incremental image: base/NAME, ...).
+    layers = store.layers(kernel_id, manifest)
+    page_files: list[tuple[str, str, dict[str, Any], int]] = []  # name, table, meta, CRC
+    for _, layer, prefix in layers:
+        files = layer["files"]
+        for name in sorted(n for n, m in files.items() if "chunks" in m):
+            table = files[name]["chunks"]
+            page_files.append((prefix + name, prefix + table, files[name], files[table]["crc32"]))
+    index = {name: i for i, (name, _, _, _) in enumerate(page_files)}
+    chunk_size = page_files[0][2]["chunk_size"] if page_files else 4096
+    if any(meta["chunk_size"] != chunk_size for _, _, meta, _ in page_files):
         raise ResumeFailed(f"Checkpoint of {kernel_id} mixes chunk sizes")
     lines = [f"cedana-pages-map 1 chunk {chunk_size}"]
-    for name in page_files:
-        table = files[name]["chunks"]
+    for name, table, meta, crc in page_files:
         # The page server reads the table itself, checked against this CRC.
-        lines.append(f"file {files[name]['size']} {name} {table} {files[table]['crc32']:08x}")
+        lines.append(f"file {meta['size']} {name} {table} {crc:08x}")
     eager: dict[str, set[int]] = {}
+    below: dict[tuple[int, int], list[crimg.PageRun]] = {}  # (layer, pid): its page runs
+
+    def in_base(depth: int, pid: int, lo: int, hi: int) -> list[tuple[str, int, int, int]]:
+        """(page file, offset, lo, hi) of the pages [lo, hi) that layer `depth` holds
+        itself or through its own base."""
+        if depth >= len(layers):
+            raise crimg.ImageError(f"page {lo:#x} of process {pid} is in no base")
+        where, _, prefix = layers[depth]
+        runs = below.get((depth, pid))
+        if runs is None:
+            runs = below[(depth, pid)] = crimg.pagemap(where, pid)
+        out: list[tuple[str, int, int, int]] = []
+        at = lo
+        for run in runs[max(0, bisect.bisect_right([r.vaddr for r in runs], lo) - 1) :]:
+            a, b = max(run.vaddr, at), min(run.end, hi)
+            if a >= hi:
+                break
+            if a >= b:
+                continue
+            if a != at:
+                break  # a hole: said below
+            if run.present:
+                out.append((prefix + run.pages_file, run.offset + (a - run.vaddr), a, b))
+            elif run.flags & crimg.PE_PARENT:
+                out.extend(in_base(depth + 1, pid, a, b))
+            else:
+                break
+            at = b
+        if at != hi:
+            raise crimg.ImageError(f"page {at:#x} of process {pid} is in no base")
+        return out
+
     to_read: list[readahead.Ranges] = []
     lazy_bytes = 0
     try:
@@ -105,27 +144,32 @@ def plan(store: CheckpointStore, kernel_id: str, manifest: dict[str, Any], work:
             written: list[tuple[int, int]] = []
             pieces: list[tuple[int, int, int, int]] = []  # file, offset, lo, hi
             for run in runs:
-                if not run.present:
+                if run.present:
+                    sources = [(run.pages_file, run.offset, run.vaddr, run.end)]
+                elif run.flags & crimg.PE_PARENT:  # in a base: CRIU reads it, or we serve it
+                    sources = in_base(1, pid, run.vaddr, run.end)
+                else:
                     continue
-                if run.pages_file not in index:
-                    raise ResumeFailed(
-                        f"Checkpoint of {kernel_id} has no chunk table for {run.pages_file}"
-                    )
-                if not run.lazy:
-                    written.append((run.vaddr, run.end))
-                    first = run.offset // chunk_size
-                    last = (run.offset + run.pages * crimg.PAGE_SIZE - 1) // chunk_size
-                    eager.setdefault(run.pages_file, set()).update(range(first, last + 1))
-                    continue
-                # UFFDIO_COPY works within one memory area: split runs at area bounds.
-                k = bisect.bisect_right(ends, run.vaddr)
-                fi = index[run.pages_file]
-                while k < len(vmas) and vmas[k][0] < run.end:
-                    lo, hi = max(vmas[k][0], run.vaddr), min(vmas[k][1], run.end)
-                    if lo < hi:
-                        lazy_bytes += hi - lo
-                        pieces.append((fi, run.offset + (lo - run.vaddr), lo, hi))
-                    k += 1
+                for name, offset, start, end in sources:
+                    if name not in index:
+                        raise ResumeFailed(
+                            f"Checkpoint of {kernel_id} has no chunk table for {name}"
+                        )
+                    if not run.lazy:
+                        written.append((start, end))
+                        first = offset // chunk_size
+                        last = (offset + end - start - 1) // chunk_size
+                        eager.setdefault(name, set()).update(range(first, last + 1))
+                        continue
+                    # UFFDIO_COPY works within one memory area: split runs at area bounds.
+                    k = bisect.bisect_right(ends, start)
+                    fi = index[name]
+                    while k < len(vmas) and vmas[k][0] < end:
+                        lo, hi = max(vmas[k][0], start), min(vmas[k][1], end)
+                        if lo < hi:
+                            lazy_bytes += hi - lo
+                            pieces.append((fi, offset + (lo - start), lo, hi))
+                        k += 1
             to_read.append(readahead.ranges(paths, areas, written))
             pieces.sort()
             lines.append(f"task {pid} {len(pieces)}")

@@ -316,8 +316,6 @@ class Restoring(GpuSteps):
         # has not been checked against pages served by userfaultfd.
         page_files = [m for n, m in manifest["files"].items() if is_page_file(n)]
         chunked = bool(page_files) and all("chunks" in m for m in page_files)
-        if manifest.get("base"):  # the page server does not read bases (yet): whole
-            return False
         big = int(manifest.get("total_bytes") or 0) >= min_bytes
         return chunked and big and not gpu_state and lazy_off is None
 

@@ -368,6 +368,15 @@ static uint64_t task_bytes(const struct task *t)
 	return sum;
 }
 
+/* A file of the image directory, or of one of its bases (incremental images keep their
+ * base in "base/", which may have its own): "base/"* then a plain name, nothing else. */
+static int image_file_name(const char *name)
+{
+	while (strncmp(name, "base/", 5) == 0)
+		name += 5;
+	return *name && !strchr(name, '/') && strcmp(name, ".") && strcmp(name, "..");
+}
+
 static int open_in(const char *dir, const char *name)
 {
 	char full[4096];
@@ -430,7 +439,7 @@ static void load_map(const char *images, const char *path)
 			pf = &files[nfiles++];
 			if (fscanf(f, " %" SCNu64 " %255s %255s %" SCNx32, &pf->size, pf->name, table,
 				   &table_crc) != 4 ||
-			    strchr(pf->name, '/') || strchr(table, '/'))
+			    !image_file_name(pf->name) || !image_file_name(table))
 				goto bad;
 			load_table(images, pf, table, table_crc);
 			pf->fd = open_in(images, pf->name);

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from jupyter_cedana import crimg
 from jupyter_cedana.checkpoint import BASE_NAME
 from jupyter_cedana.errors import CheckpointCorrupt
 from jupyter_cedana.incremental import INDEX_NAME, PARENT_LINK
@@ -46,8 +47,8 @@ async def state_of(kc) -> str:
 async def test_repeat_suspends_write_what_changed(kernel, checkpoint_root: Path) -> None:
     """Five cycles of cell, suspend, resume: the first image whole, each later one a delta
     on the one before, holding a small share of the memory; the kernel's state right
-    after every resume (the first lazily, the deltas whole, through their chain); the
-    disk held by the chain counted in the manifest as on disk."""
+    after every resume (lazily: pages in-parent served from the bases, through the
+    chain); the disk held by the chain counted in the manifest as on disk."""
     prov = kernel.provisioner
     prov.engine.keep_base = True
     kc = kernel.test_client
@@ -80,6 +81,7 @@ async def test_repeat_suspends_write_what_changed(kernel, checkpoint_root: Path)
             )
             assert manifest["held_bytes"] == on_disk
         await prov.resume()
+        assert prov.last_resume_breakdown and prov.last_resume_breakdown["lazy"] is True
         await prov.memory_loaded()
         await wait_iopub(kc)
         assert await state_of(kc) == expected
@@ -88,12 +90,43 @@ async def test_repeat_suspends_write_what_changed(kernel, checkpoint_root: Path)
     assert (image / "/".join([BASE_NAME] * 4) / "manifest.json").exists()
 
 
+def in_base(image: Path) -> tuple[Path, int]:
+    """A page file of the base and an offset in it holding a page the image has only in
+    its base (in-parent), in the array (a long run), served lazily on a lazy restore."""
+    pid, longest = max(
+        (
+            (pid, r)
+            for pid in crimg.pids(image)
+            for r in crimg.pagemap(image, pid)
+            if r.flags & crimg.PE_PARENT
+        ),
+        key=lambda pr: pr[1].pages,
+    )
+    vaddr = longest.vaddr + longest.pages // 2 * crimg.PAGE_SIZE
+    for b in crimg.pagemap(image / BASE_NAME, pid):
+        if b.present and b.vaddr <= vaddr < b.end:
+            assert longest.lazy and b.pages > 16
+            return image / BASE_NAME / b.pages_file, b.offset + (vaddr - b.vaddr)
+    raise AssertionError("no page in the base")
+
+
+def flip_byte(path: Path, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+@pytest.mark.parametrize("lazy", [False, True], ids=["whole", "lazy"])
 async def test_a_damaged_base_fails_the_restore_and_keeps_the_image(
-    kernel, checkpoint_root: Path
+    kernel, checkpoint_root: Path, lazy: bool
 ) -> None:
-    """A byte flipped in the base's page file under a delta: the resume is refused before
-    the kernel runs, naming the base's file; the kernel is `failed` with its image kept;
-    with the byte put back, the resume brings back the state of the delta."""
+    """A byte flipped in the base's page file, in a page the delta has only there: a
+    whole resume is refused before the kernel runs; a lazy one refuses the page when it
+    is served, and the kernel is killed; either way the error names the base's file,
+    the kernel is `failed` and its image kept; with the byte put back, the resume brings
+    back the state of the delta."""
     prov = kernel.provisioner
     prov.engine.keep_base = True
     kc = kernel.test_client
@@ -108,22 +141,24 @@ async def test_a_damaged_base_fails_the_restore_and_keeps_the_image(
     expected = await state_of(kc)
     await prov.suspend()
     assert prov.engine.store.read_manifest(kernel.kernel_id)["base"] == BASE_NAME
-    pages = max((image / BASE_NAME).glob("pages-*.img"), key=lambda p: p.stat().st_size)
-    offset = pages.stat().st_size // 2
-    with open(pages, "r+b") as f:
-        f.seek(offset)
-        byte = f.read(1)
-        f.seek(offset)
-        f.write(bytes([byte[0] ^ 0xFF]))
-    with pytest.raises(CheckpointCorrupt) as info:
-        await prov.resume()
-    assert f"{BASE_NAME}/{pages.name}" in info.value.message
+    pages, offset = in_base(image)
+    flip_byte(pages, offset)
+    prov.engine.lazy_restore = lazy
+    if lazy:
+        await prov.resume()  # what CRIU reads itself is checked first; the rest as served
+        assert prov.last_resume_breakdown and prov.last_resume_breakdown["lazy"] is True
+        await prov.memory_loaded()
+        reason = prov.reason or ""
+    else:
+        with pytest.raises(CheckpointCorrupt) as info:
+            await prov.resume()
+        reason = info.value.message
+    assert f"checksum mismatch in {BASE_NAME}/{pages.name}" in reason, reason
     assert prov.state == KernelState.failed
     assert (image / "manifest.json").exists() and pages.exists()
-    with open(pages, "r+b") as f:
-        f.seek(offset)
-        f.write(byte)
+    flip_byte(pages, offset)
     await prov.resume()
+    await prov.memory_loaded()
     await wait_iopub(kc)
     assert await state_of(kc) == expected
 
