@@ -287,7 +287,8 @@ class Checkpointing(Restoring):
         self.tier = "disk"
         self.suspended_at = suspended_at
         self.last_suspend_seconds = time.monotonic() - t0
-        self.checkpoint_bytes = int(manifest["total_bytes"])
+        # What the checkpoint holds on disk: an incremental image with its bases.
+        self.checkpoint_bytes = int(manifest.get("held_bytes") or manifest["total_bytes"])
         self.gpu_memory_freed = int((gpu_state or {}).get("bytes_freed", 0))
         self._set_state(KernelState.suspended)
         self.log.info(

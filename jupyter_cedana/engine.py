@@ -146,8 +146,7 @@ class CheckpointEngine(SingletonConfigurable):
         help="Keep a resumed kernel's image as the base of its next suspend, which then "
         "writes only the pages that changed (an incremental image on that base: "
         "docs/incremental.md). Costs the image's disk space while the kernel runs, and "
-        "reading and hashing the kernel's memory at the next suspend; needs stream_dump. "
-        "Kernels restored from an incremental image are restored whole, not lazily.",
+        "reading and hashing the kernel's memory at the next suspend; needs stream_dump.",
     ).tag(config=True)
 
     stream_dump = Bool(

@@ -80,12 +80,15 @@ async def test_repeat_suspends_write_what_changed(kernel, checkpoint_root: Path)
                 if p.is_file() and p.name != "manifest.json" and INDEX_NAME not in p.name
             )
             assert manifest["held_bytes"] == on_disk
+        # What the kernel's checkpoint holds on disk (the REST view's checkpoint_bytes).
+        assert prov.checkpoint_bytes == manifest["held_bytes"]
         await prov.resume()
         assert prov.last_resume_breakdown and prov.last_resume_breakdown["lazy"] is True
         await prov.memory_loaded()
         await wait_iopub(kc)
         assert await state_of(kc) == expected
         await kept_and_indexed(image)
+        assert prov.checkpoint_bytes == manifest["held_bytes"]  # kept while it runs
     # The chain is as deep as the deltas made (no compaction yet).
     assert (image / "/".join([BASE_NAME] * 4) / "manifest.json").exists()
 
