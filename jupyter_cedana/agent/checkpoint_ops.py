@@ -248,9 +248,11 @@ class CheckpointOps:
             except BaseException:
                 record.state = State.dumped
                 raise
-            self.kernels.mark_restored(
+            restored = self.kernels.mark_restored(
                 caller.uid, kid, pid, cast(asyncio.subprocess.Process, _Keeper(keeper))
             )
+            for reader in await _output_pipes(pid):
+                restored.attach_output(reader)
             if pages is None:
                 with contextlib.suppress(OSError):
                     store.remove_image(kid)
@@ -363,7 +365,35 @@ class CheckpointOps:
         }
 
 
-async def _chunked(manifest: dict[str, Any]) -> bool:
+async def _output_pipes(init_pid: int) -> list[asyncio.StreamReader]:
+    """Readers of the pipes the restored kernel writes its stdout and stderr to.
+
+    At launch those were pipes to the agent; CRIU restores them as new pipes with no
+    reader of ours, and a kernel that filled one (64 KiB) would block on its next write.
+    Opening /proc/PID/fd/N of a pipe for reading gives a read end of that same pipe."""
+    loop = asyncio.get_running_loop()
+    seen: set[str] = set()
+    readers = []
+    for task in sorted(process_tree(init_pid) - {init_pid}):
+        for fd in (1, 2):
+            link = f"/proc/{task}/fd/{fd}"
+            try:
+                target = os.readlink(link)
+                if not target.startswith("pipe:") or target in seen:
+                    continue
+                rfd = os.open(link, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+            except OSError:
+                continue
+            seen.add(target)
+            reader = asyncio.StreamReader()
+            pipe = os.fdopen(rfd, "rb", buffering=0)
+            protocol = asyncio.StreamReaderProtocol(reader)
+            await loop.connect_read_pipe(lambda p=protocol: p, pipe)  # type: ignore[misc]
+            readers.append(reader)
+    return readers
+
+
+def _chunked(manifest: dict[str, Any]) -> bool:
     pages = [m for n, m in manifest["files"].items() if is_page_file(n)]
     return bool(pages) and all("chunks" in m for m in pages)
 

@@ -53,6 +53,13 @@ def test_root_kernel_dump_restore_keeps_state(agent: Agent, kernels: list[Kernel
     assert kernel.run("print(state[0] + 1)").strip() == "42"
     # The image goes once its kernel runs again.
     assert agent.run_as(ROOT, "images")["result"]["images"] == []
+    # Its stderr still reaches the agent's log: more than a pipe holds, which would
+    # block the kernel if nobody read the restored pipe.
+    kernel.run("import os\nfor _ in range(4): os.write(2, b'x' * 65536)\nos.write(2, b'END')")
+    deadline = time.monotonic() + 30
+    while not agent.run_as(ROOT, "log", {"kernel_id": kernel.id})["result"]["text"].endswith("END"):
+        assert time.monotonic() < deadline, "the restored kernel's stderr did not arrive"
+        time.sleep(0.1)
 
 
 def test_root_kernel_lazy_restore(agent: Agent, kernels: list[Kernel]) -> None:
