@@ -702,7 +702,7 @@ def table(report: dict[str, Any]) -> str:
         "| --- | ---: |",
         "| suspended (or committed) kernels back with their exact state | "
         f"{report['recovered_suspended']} |",
-        "| back at their checkpoint (killed mid-lazy-load, loss reported by the server) | "
+        "| back at their checkpoint (woken at the kill; the server said what was lost) | "
         f"{report['recovered_at_checkpoint']} |",
         f"| **suspended kernels lost** | **{len(report['lost_suspended'])}** |",
         f"| running kernels lost ({reasons}) | {lost_running} |",
@@ -710,8 +710,30 @@ def table(report: dict[str, Any]) -> str:
         "| leaks (processes, ports, records without images, at restarts and at the end) | "
         f"{leaked} |",
         f"| restarts where the budget did not add up | {len(report['budget_mismatches'])} |",
+        "| logs and work directories of lost kernels, left for gc (taken at 10 min) | "
+        f"{final.get('left_for_gc_of_dead_kernels', 0)} |",
     ]
     return "\n".join(lines)
+
+
+def merged(reports: list[dict[str, Any]]) -> dict[str, Any]:
+    """Several runs' reports as one (counts added, lists joined), for one table."""
+    out: dict[str, Any] = {}
+    for r in reports:
+        for key in ("kills", "recovered_suspended", "recovered_at_checkpoint", "running_back"):
+            out[key] = out.get(key, 0) + r[key]
+        for key in ("hit", "lost_running"):
+            counts = Counter(out.get(key, {}))
+            counts.update(r[key])
+            out[key] = dict(counts)
+        for key in ("lost_suspended", "leaks", "budget_mismatches"):
+            out[key] = out.get(key, []) + r[key]
+        final = out.setdefault("final_leaks", {})
+        for key in ("processes", "ports", "store"):
+            final[key] = final.get(key, []) + r["final_leaks"][key]
+        left = "left_for_gc_of_dead_kernels"
+        final[left] = final.get(left, 0) + r["final_leaks"].get(left, 0)
+    return out
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -729,14 +751,18 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--json", default=None, help="write the report here")
     p.add_argument("--keep", action="store_true", help="keep the run's directory (logs)")
     p.add_argument("--verbose", action="store_true")
-    p.add_argument("--table", default=None, help="only print the table of this JSON report")
+    p.add_argument(
+        "--table",
+        default=None,
+        help="only print the table of these JSON reports (comma-separated: summed)",
+    )
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     if args.table:
-        print(table(json.loads(Path(args.table).read_text())))
+        print(table(merged([json.loads(Path(f).read_text()) for f in args.table.split(",")])))
         return 0
     chaos = Chaos(args)
     report = asyncio.run(chaos.run())
