@@ -275,9 +275,10 @@ def main() -> int:
                     asyncio.run(part_kernel(root / "ckpt", size, args.share, args.analyse))
                 )
             print(
-                "\n| GB | frozen 1st s | frozen 2nd s | ratio | disk 1st GB | disk 2nd GB | ratio |"
+                "\n| GB | frozen 1st s | 2nd s | ratio | disk 1st GB | 2nd GB | ratio "
+                "| process 1st GB | 2nd GB | ratio |"
             )
-            print("| --- | --- | --- | --- | --- | --- | --- |")
+            print("| --- " * 10 + "|")
             for r in result["kernel"]:
                 print(
                     f"| {r['size_gb']:g} | {r['first_frozen_s']:.2f} | {r['second_frozen_s']:.2f} "
