@@ -126,13 +126,15 @@ class Chaos:
         self.budget_mismatches: list[dict[str, Any]] = []
         self.failures: list[str] = []
         self.ops: Counter[str] = Counter()
-        self.partial_after_restart = 0
+        self.partials_seen: set[str] = set()  # partial dumps found after restarts
         self.restart_s: list[float] = []
         self.log_offset = 0
         # The kernel whose operation was in flight at the kill: whether it was resumed
         # (and so running, ending with the server) is not known from its answer.
         self.inflight: str | None = None
         self.dead: set[str] = set()  # kernels that ended with a killed server
+        # Partial dumps left by earlier kills (until gc takes them): not a dump under way.
+        self.stale: set[str] = set()
 
     # -- kernels and the workload ------------------------------------------------------
 
@@ -249,7 +251,11 @@ class Chaos:
                 dumps.append(cmd)
         tmp = []
         if self.server.root.is_dir():
-            tmp = [p.name for p in self.server.root.iterdir() if ".tmp-" in p.name]
+            tmp = [
+                p.name
+                for p in self.server.root.iterdir()
+                if ".tmp-" in p.name and p.name not in self.stale
+            ]
         return {"dumps": len(dumps), "loads": len(loads), "tmp": tmp, "load_cmds": loads}
 
     def phase_now(self, seen_dump: bool = False) -> str:
@@ -314,9 +320,10 @@ class Chaos:
             detail = {"kernel": k.kid, "big": k.big, "criu_seen": seen}
             hit = self.phase_now(seen_dump=seen)
         elif aim == "lazy-load":
-            picked = self.pick("suspended")
-            if picked is None:
-                picked = self.pick("running") or self.rng.choice(list(self.kernels.values()))
+            # The big kernel: a small one's image is restored whole, with no page server.
+            picked = next((k for k in self.kernels.values() if k.big), None)
+            picked = picked or self.rng.choice(list(self.kernels.values()))
+            if picked.state != "suspended":
                 await self.op_suspend(picked)
             k = picked
             task = self.spawn(self.op_resume(k))
@@ -441,8 +448,8 @@ class Chaos:
         procs = process_leaks(marks, me)
         ports = port_leaks([p for k in gone for p in k.ports])
         records, images, partial = self.on_disk()
-        if partial:
-            self.partial_after_restart += len(partial)
+        self.stale = set(partial)
+        self.partials_seen |= self.stale
         orphan_records = sorted(records - images)
         status, listed = await self.server.call("GET", "/api/kernels")
         listed_ids = {k["id"] for k in listed or []} if status == 200 else set()
@@ -660,7 +667,7 @@ class Chaos:
             "lost_suspended": self.lost_suspended,
             "lost_running": dict(self.lost_running),
             "leaks": self.leaks,
-            "partial_images_after_restart": self.partial_after_restart,
+            "partial_images_after_restart": len(self.partials_seen),
             "budget_mismatches": self.budget_mismatches,
             "failures": self.failures,
             "final_leaks": final,
