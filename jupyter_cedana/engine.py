@@ -432,7 +432,7 @@ class CheckpointEngine(SingletonConfigurable):
         info = self.require()
         keeper = [self.init_binary(), "--keeper", str(pidfile)]
         if self.kernels_die_with_server:
-            keeper.append("--die-with-parent")
+            keeper += ["--die-with-parent", "--parent-pid", str(os.getpid())]
         cmd = [
             *keeper,
             "--",

@@ -78,7 +78,7 @@ class CedanaProvisioner(Checkpointing, TransitionMachine, LocalProvisioner):  # 
         else:
             wrapped += KernelPids(parent=engine).launch_args()
         if engine.kernels_die_with_server:
-            wrapped.append("--die-with-parent")
+            wrapped += ["--die-with-parent", "--parent-pid", str(os.getpid())]
         # The init leaves the user's directory for a private one of ours (cedana-init.c:
         # --chdir), where CRIU makes its /proc mount point.
         wrapped += ["--chdir", str(store.work_dir(self.kernel_id_str))]

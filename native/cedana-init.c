@@ -1,10 +1,10 @@
 /*
  * cedana-init: the process a checkpointable kernel runs under.
  *
- *   cedana-init [--pidns] [--pidfile PATH] [--die-with-parent] [--chdir DIR]
+ *   cedana-init [--pidns] [--pidfile PATH] [--die-with-parent [--parent-pid PID]] [--chdir DIR]
  *               [--pid-base N --pid-helper PATH]
  *               [--user UID --gid GID [--groups G1,G2] [--cwd DIR]] -- CMD ARGS...
- *   cedana-init --keeper PIDFILE [--die-with-parent] -- CMD ARGS...
+ *   cedana-init --keeper PIDFILE [--die-with-parent [--parent-pid PID]] -- CMD ARGS...
  *
  * It forks an init (the pid written to --pidfile) and stays behind as its watcher,
  * forwarding signals and exiting with the init's status. With --pidns (needs
@@ -13,9 +13,10 @@
  * PID numbers taken since the dump (pid_max is small here). The init also makes a mount
  * namespace with that PID namespace's /proc (own_proc), and runs itself again there.
  *
- * --die-with-parent: when the process that started the watcher dies (a jupyter server
- * killed with SIGKILL), the kernel is terminated, as ipykernel would do by itself if
- * it could watch its parent. Only the watcher holds the parent-death signal; the init is
+ * --die-with-parent [--parent-pid PID]: when the process that started the watcher dies
+ * (a jupyter server killed with SIGKILL), the kernel is terminated, as ipykernel would
+ * do by itself if it could watch its parent. PID, the starter's own, makes a starter
+ * that died before the watcher could look count as dead too. Only the watcher holds the parent-death signal; the init is
  * what CRIU dumps, and a parent-death signal there would fire right after a restore.
  *
  * --chdir DIR: once CMD is started (in the caller's working directory), the init moves
@@ -248,13 +249,15 @@ static int supervise(pid_t main_pid, pid_t target, const sigset_t *set, struct w
 }
 
 /* Called before forking: from then on the parent's death is noticed, also if it died
- * already (the check after prctl closes that race). */
-static void watch_parent(struct watch *w)
+ * already. The check after prctl closes the race of a parent dying meanwhile; the
+ * expected parent (--parent-pid) closes the one of a parent that died before this
+ * process got here: getppid() then already names the reaper it was handed to. */
+static void watch_parent(struct watch *w, pid_t expected)
 {
 	pid_t parent = getppid();
 	if (prctl(PR_SET_PDEATHSIG, PARENT_DIED) < 0)
 		die("prctl(PR_SET_PDEATHSIG)");
-	if (getppid() != parent)
+	if (getppid() != parent || (expected > 0 && parent != expected))
 		raise(PARENT_DIED);
 	w->armed = 1;
 }
@@ -480,6 +483,7 @@ static void raise_pid_cursor(const char *helper, const char *base)
 int main(int argc, char **argv)
 {
 	int pidns = 0, die_with_parent = 0, ns_init = 0;
+	pid_t expected_parent = 0;
 	const char *pidfile = NULL, *keeper = NULL, *pid_base = NULL, *pid_helper = NULL;
 	const char *chdir_to = NULL;
 	struct user user;
@@ -496,6 +500,8 @@ int main(int argc, char **argv)
 			ns_init = 1; /* internal: PID 1 again, in its mount namespace (own_proc) */
 		} else if (strcmp(argv[i], "--die-with-parent") == 0) {
 			die_with_parent = 1;
+		} else if (strcmp(argv[i], "--parent-pid") == 0 && i + 1 < argc) {
+			expected_parent = (pid_t)parse_id(argv[++i], "--parent-pid");
 		} else if (strcmp(argv[i], "--pidfile") == 0 && i + 1 < argc) {
 			pidfile = argv[++i];
 		} else if (strcmp(argv[i], "--keeper") == 0 && i + 1 < argc) {
@@ -558,7 +564,7 @@ int main(int argc, char **argv)
 	if (ns_init)
 		return run_init(cmd, &set, chdir_fd, &user);
 	if (die_with_parent)
-		watch_parent(&w);
+		watch_parent(&w, expected_parent);
 
 	/* Without a PID namespace, orphans must come to us, not to the system's init. */
 	if (!pidns && prctl(PR_SET_CHILD_SUBREAPER, 1) < 0)

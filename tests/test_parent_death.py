@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import time
 from pathlib import Path
 
@@ -54,3 +55,53 @@ def test_kernels_end_when_their_server_is_killed(tmp_path: Path) -> None:
         if server.poll() is None:
             server.kill()
             server.wait()
+
+
+INIT = Path(__file__).resolve().parent.parent / "jupyter_cedana" / "bin" / "cedana-init"
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    return proc.pid
+
+
+@pytest.mark.parametrize("keeper", [False, True])
+def test_a_starter_that_died_before_the_watcher_looked_counts_as_dead(
+    tmp_path: Path, keeper: bool
+) -> None:
+    # The server died before cedana-init armed its parent-death signal: by then getppid()
+    # names whoever it was handed to, so only the starter's own pid can tell. The pid of a
+    # process already gone stands for that server, deterministically.
+    mode = ["--keeper", str(tmp_path / "pidfile")] if keeper else []
+    proc = subprocess.run(
+        [
+            str(INIT),
+            *mode,
+            "--die-with-parent",
+            "--parent-pid",
+            str(_dead_pid()),
+            "--",
+            "sleep",
+            "300",
+        ],
+        timeout=60,
+    )
+    assert proc.returncode != 0
+
+
+def test_a_live_starter_named_by_pid_is_not_taken_for_dead() -> None:
+    proc = subprocess.run(
+        [
+            str(INIT),
+            "--die-with-parent",
+            "--parent-pid",
+            str(os.getpid()),
+            "--",
+            "sh",
+            "-c",
+            "exit 7",
+        ],
+        timeout=60,
+    )
+    assert proc.returncode == 7
