@@ -232,11 +232,20 @@ class HeldRecord:
 
 def _write_locked(final: Path, record: dict[str, Any]) -> int:
     """Write JSON under a temporary name, lock and fsync it, rename it over `final`;
-    returns the locked descriptor (the caller fsyncs the directory)."""
-    tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}-{time.monotonic_ns()}")
-    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    returns the locked descriptor (the caller fsyncs the directory).
+
+    The file is made as `.<name>.tmp-<pid>-<n>`, locked, and at once renamed to the same
+    name with `.locked` (as dumps are, checkpoint.py): a temporary record so named is
+    locked for as long as its writer lives, so gc takes one nobody holds at once; only
+    one without `.locked` (its writer died within microseconds of making it) must settle
+    first (store_gc.py)."""
+    made = final.with_name(f".{final.name}.tmp-{os.getpid()}-{time.monotonic_ns()}")
+    fd = os.open(made, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    tmp = made
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        tmp = made.with_name(made.name + ".locked")
+        os.rename(made, tmp)
         view = memoryview(json.dumps(record, indent=1).encode())
         while view:
             view = view[os.write(fd, view) :]

@@ -4,7 +4,7 @@ jupyter-cedana wrote, whatever directory it is pointed at.
 Proof is, for an image, a directory named after a kernel id holding a manifest of our
 format for that id; for a partial dump or deletion, the store's own temporary names
 (`.<id>.tmp-<pid>-<n>.locked` whose writer no longer holds its lock, `.<id>.del-<n>`,
-and a park record's `.parked/.<id>.json.tmp-<pid>-<n>` nobody holds); for a park record,
+and a park record's `.parked/.<id>.json.tmp-<pid>-<n>[.locked]` nobody holds); for a park record,
 one no server can adopt (_judge_records); for kernel logs, pid files and CRIU work
 directories, the store's names inside a root that carries the store's marker file.
 Everything must be a real directory or file (never a symbolic link), owned by the user
@@ -50,7 +50,9 @@ _TMP_RE = re.compile(
 )
 # A park record being written (checkpoint.replace_json_durably, parkrecords), locked by
 # its writer from just after it is made until it is renamed into place.
-_RECORD_TMP_RE = re.compile(r"^\.(?P<kid>[A-Za-z0-9][A-Za-z0-9_-]*)\.json\.tmp-\d+-\d+$")
+_RECORD_TMP_RE = re.compile(
+    r"^\.(?P<kid>[A-Za-z0-9][A-Za-z0-9_-]*)\.json\.tmp-\d+-\d+(?P<locked>\.locked)?$"
+)
 #: A temporary record file is locked microseconds after it is made: one older than this
 #: that nobody holds was left by a writer that died.
 TMP_SETTLE = 60.0
@@ -324,7 +326,11 @@ def plan(
         for path in sorted(records.iterdir()):
             m = _RECORD_TMP_RE.match(path.name)
             pst = _lstat(path)
-            settled = pst is not None and now - pst.st_mtime > TMP_SETTLE
+            # One named `.locked` was locked before it had a name (parkrecords.py); one
+            # without may be between its creation and its lock, so it must settle first.
+            settled = pst is not None and (
+                bool(m and m.group("locked")) or now - pst.st_mtime > TMP_SETTLE
+            )
             if m and settled and _mine(pst, stat.S_IFREG) and writer_gone(path):
                 size = pst.st_size if pst is not None else 0
                 remove.append(Leftover("partial record", path, m.group("kid"), size))

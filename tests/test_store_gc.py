@@ -359,3 +359,55 @@ def test_a_record_write_cut_short_is_collected_once_its_writer_is_gone(tmp_path:
     finally:
         os.close(fd)
     assert writing.exists() and just_made.exists()
+
+
+def test_a_locked_record_write_cut_short_is_collected_at_once(tmp_path: Path) -> None:
+    """The record writer locks its file before naming it `.locked`, so gc needs no
+    settling time for such a file: a fresh one nobody holds is a dead writer's, at once;
+    one held is being written; one without `.locked` still waits to settle."""
+    store = CheckpointStore(tmp_path)
+    store.ensure_root()
+    records = tmp_path / ".parked"
+    records.mkdir(mode=0o700)
+    kid = str(uuid.uuid4())
+    left = records / f".{kid}.json.tmp-999999999-1.locked"
+    holder = records / f".{kid}.json.tmp-999999999-2.locked"
+    unlocked = records / f".{kid}.json.tmp-999999999-3"
+    for path in (left, holder, unlocked):
+        path.write_text("{")
+    fd = os.open(holder, os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    try:
+        plan = store_gc.plan(store, keep=set())
+        assert {(i.kind, i.path.name) for i in plan.remove} == {("partial record", left.name)}
+        _removed, errors = store_gc.apply(plan.remove)
+        assert errors == [] and not left.exists()
+    finally:
+        os.close(fd)
+    assert holder.exists() and unlocked.exists()
+
+
+def test_the_record_writer_names_its_file_only_once_locked(tmp_path: Path) -> None:
+    """The name a record write's temporary file carries while it is written is already
+    locked: seen from outside at the rename over the record (intercepted)."""
+    from jupyter_cedana import parkrecords
+    from jupyter_cedana.checkpoint import writer_gone
+
+    store = CheckpointStore(tmp_path)
+    store.ensure_root()
+    kid = str(uuid.uuid4())
+    parkrecords.record_path(store, kid).parent.mkdir(mode=0o700, exist_ok=True)
+    seen: list[tuple[str, bool]] = []
+    real_rename = os.rename
+
+    def looking_rename(src: str | Path, dst: str | Path) -> None:
+        seen.append((Path(src).name, writer_gone(Path(src))))
+        real_rename(src, dst)
+
+    os.rename = looking_rename  # type: ignore[assignment]
+    try:
+        held = parkrecords.HeldRecord.create(store, {"format": 1, "kernel_id": kid})
+    finally:
+        os.rename = real_rename
+    held.release()
+    assert len(seen) == 2 and seen[-1][0].endswith(".locked") and seen[-1][1] is False, seen
