@@ -261,7 +261,7 @@ class PageServer:
         self._holder = ours
         cmd = [self.binary, "--images", str(self.images), "--map", str(self.plan.map_path)]
         cmd += ["--pidfile", str(self.pidfile), "--holder-fd", str(theirs.fileno())]
-        cmd += ["--copiers", str(self.copiers)]
+        cmd += ["--copiers", str(self.copiers), "--parent-pid", str(os.getpid())]
         (self.work / "lazy-pages.socket").unlink(missing_ok=True)
         log_fd = os.open(self.work / LOG_NAME, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         try:

@@ -77,6 +77,7 @@
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
 #include <sys/ioctl.h>
+#include <sys/prctl.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
@@ -1188,6 +1189,7 @@ int main(int argc, char **argv)
 {
 	const char *map = NULL, *images = NULL;
 	unsigned char *fault_buf;
+	pid_t parent_pid = 0;
 	for (int i = 1; i < argc; i++) {
 		if (strcmp(argv[i], "--map") == 0 && i + 1 < argc)
 			map = argv[++i];
@@ -1203,13 +1205,24 @@ int main(int argc, char **argv)
 			pidfile = argv[++i];
 		else if (strcmp(argv[i], "--copiers") == 0 && i + 1 < argc)
 			ncopiers = atoi(argv[++i]);
+		else if (strcmp(argv[i], "--parent-pid") == 0 && i + 1 < argc)
+			parent_pid = (pid_t)atoi(argv[++i]);
 		else
 			break;
+	}
+	/* A server killed mid-restore must not leave its page server behind, blocked in
+	 * accept() or serving a kernel that died with it (cedana-init --die-with-parent);
+	 * a parent that died before the signal was armed shows as another parent pid. */
+	if (parent_pid > 0) {
+		if (prctl(PR_SET_PDEATHSIG, SIGKILL) < 0)
+			die("prctl(PR_SET_PDEATHSIG)");
+		if (getppid() != parent_pid)
+			return 1;
 	}
 	if (!map || !images || ncopiers < 1 || ncopiers > MAX_COPIERS) {
 		fprintf(stderr, "usage: cedana-pages --images DIR --map FILE [--pidfile FILE] "
 				"[--holder-fd FD] [--pause-file PATH] [--hold-events-file PATH] "
-				"[--copiers 1-%d] (in the restore's work directory)\n", MAX_COPIERS);
+				"[--copiers 1-%d] [--parent-pid PID] (in the restore's work directory)\n", MAX_COPIERS);
 		return 2;
 	}
 	pthread_rwlockattr_t rwa;

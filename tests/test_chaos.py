@@ -55,7 +55,7 @@ def test_short_chaos_run_loses_no_suspended_kernel(tmp_path: Path) -> None:
         f"no report (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     )
     report = json.loads(out.read_text())
-    assert report["kills"] >= 5, proc.stdout[-3000:]
+    assert report["kills"] >= 4, proc.stdout[-3000:]
     # The kills landed where they were aimed, not just anywhere: named phases were hit.
     assert len(NAMED & set(report["hit"])) >= 3, report["kill_log"]
     assert report["lost_suspended"] == [], report["lost_suspended"]

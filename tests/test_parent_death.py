@@ -105,3 +105,16 @@ def test_a_live_starter_named_by_pid_is_not_taken_for_dead() -> None:
         timeout=60,
     )
     assert proc.returncode == 7
+
+
+def test_a_page_server_whose_server_died_before_it_looked_exits() -> None:
+    # A lazy restore's page server started by a server killed at that moment would wait
+    # in accept() forever (seen in the chaos run). With the server's pid it knows.
+    pages = INIT.parent / "cedana-pages"
+    gone = subprocess.run([str(pages), "--parent-pid", str(_dead_pid())], timeout=60)
+    assert gone.returncode == 1
+    # Its parent alive: it goes on (to its usage message here, with no image given).
+    alive_parent = subprocess.run(
+        [str(pages), "--parent-pid", str(os.getpid())], capture_output=True, timeout=60
+    )
+    assert alive_parent.returncode == 2 and b"usage" in alive_parent.stderr

@@ -260,7 +260,8 @@ def test_kernel_outlives_its_client(agent: Agent, kernels: list[Kernel], how: st
     if how == "close":
         assert client.returncode == 0
     elif how == "sigkill":
-        assert client.returncode == -signal.SIGKILL
+        # runuser itself, or runuser reporting its killed child (128 + 9), whichever died last.
+        assert client.returncode in (-signal.SIGKILL, 128 + signal.SIGKILL)
     listed = agent.run_as("cedana-test", "list")["result"]["kernels"]
     mine = [k for k in listed if k["kernel_id"] == kernel.id]
     assert mine == [
