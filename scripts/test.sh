@@ -22,13 +22,25 @@ step "TypeScript: eslint + prettier, jest"
 jlpm install >/dev/null
 jlpm lint:check
 jlpm test
+# The peer suites run in their own virtualenv, side by side with pytest, to keep the whole
+# run short; their output is shown when they end.
+step "peer conformance (in the background): nbclient and jupyter_client kernel suites, cedana-provisioner vs stock"
+CONF_LOG=$(mktemp)
+bash scripts/conformance.sh >"$CONF_LOG" 2>&1 &
+conf_pid=$!
 step "pytest"
-python -m pytest "$@"
+pytest_rc=0
+python -m pytest "$@" || pytest_rc=$?
+step "peer conformance: results"
+conf_rc=0
+wait "$conf_pid" || conf_rc=$?
+cat "$CONF_LOG"
+rm -f "$CONF_LOG"
+[ "$pytest_rc" = 0 ] || { echo "pytest failed (exit $pytest_rc)" >&2; exit "$pytest_rc"; }
+[ "$conf_rc" = 0 ] || { echo "peer conformance failed (exit $conf_rc)" >&2; exit "$conf_rc"; }
 step "the wheel: manylinux wheel and sdist, installed into a fresh virtualenv, a server from it"
 bash scripts/build-wheel.sh
 bash scripts/check-wheel.sh
-step "peer conformance: nbclient and jupyter_client kernel suites, cedana-provisioner vs stock"
-bash scripts/conformance.sh
 if [ $# -eq 0 ] && [ "$(id -u)" = 0 ]; then
   # The suspend / resume / transparent-resume tests and the Hub tests again as an
   # ordinary user, with the capability-carrying criu and no PID namespaces (the Hub then
