@@ -41,7 +41,8 @@ class ImageError(ValueError):
     """A CRIU image that cannot be read as expected."""
 
 
-def _varint(data: bytes, pos: int) -> tuple[int, int]:
+def read_varint(data: bytes, pos: int) -> tuple[int, int]:
+    """A protobuf varint at `pos`: (value, position after it)."""
     value = shift = 0
     while True:
         if pos >= len(data):
@@ -59,11 +60,11 @@ def decode(message: bytes) -> Fields:
     fields: Fields = {}
     pos = 0
     while pos < len(message):
-        key, pos = _varint(message, pos)
+        key, pos = read_varint(message, pos)
         number, wire = key >> 3, key & 7
         value: int | bytes
         if wire == 0:
-            value, pos = _varint(message, pos)
+            value, pos = read_varint(message, pos)
         elif wire == 1:
             value = struct.unpack_from("<Q", message, pos)[0]
             pos += 8
@@ -71,7 +72,7 @@ def decode(message: bytes) -> Fields:
             value = struct.unpack_from("<I", message, pos)[0]
             pos += 4
         elif wire == 2:
-            length, pos = _varint(message, pos)
+            length, pos = read_varint(message, pos)
             value = message[pos : pos + length]
             pos += length
         else:
@@ -315,7 +316,8 @@ def _lazy_areas(images: Path, pid: int) -> list[tuple[int, int]]:
     return sorted(out)
 
 
-def _varint_bytes(value: int) -> bytes:
+def varint_bytes(value: int) -> bytes:
+    """A protobuf varint, as read_varint reads it."""
     out = bytearray()
     while True:
         byte = value & 0x7F
@@ -329,10 +331,10 @@ def _varint_bytes(value: int) -> bytes:
 def _pagemap_record(vaddr: int, pages: int, flags: int, wide: bool) -> bytes:
     """A pagemap_entry as CRIU writes it: `wide` (CRIU 4) with nr_pages 0 and the count
     in the 64-bit `pages`, else in nr_pages."""
-    count = b"\x10\x00" + b"\x20" + _varint_bytes(flags) + b"\x28" + _varint_bytes(pages)
+    count = b"\x10\x00" + b"\x20" + varint_bytes(flags) + b"\x28" + varint_bytes(pages)
     if not wide:
-        count = b"\x10" + _varint_bytes(pages) + b"\x20" + _varint_bytes(flags)
-    body = b"\x08" + _varint_bytes(vaddr) + count
+        count = b"\x10" + varint_bytes(pages) + b"\x20" + varint_bytes(flags)
+    body = b"\x08" + varint_bytes(vaddr) + count
     return struct.pack("<I", len(body)) + body
 
 

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from .checkpoint import CheckpointStore, fsync_path
-from .crimg import ImageError, decode
+from .crimg import ImageError, decode, read_varint, varint_bytes
 from .errors import CheckpointCorrupt
 from .integrity import file_crc32
 
@@ -41,18 +41,6 @@ _FAMILY, _STATE, _SRC_PORT, _DST_PORT, _SRC_ADDR, _DST_ADDR = 3, 6, 7, 8, 11, 12
 _TCP_LISTEN = 10
 
 
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    while True:
-        byte = value & 0x7F
-        value >>= 7
-        if value:
-            out.append(byte | 0x80)
-        else:
-            out.append(byte)
-            return bytes(out)
-
-
 def _fields(message: bytes) -> list[tuple[int, int, bytes, int | bytes]]:
     """(field number, wire type, raw bytes of the field, value) in order, so that a
     message can be written back with only some values changed."""
@@ -60,17 +48,17 @@ def _fields(message: bytes) -> list[tuple[int, int, bytes, int | bytes]]:
     pos = 0
     while pos < len(message):
         start = pos
-        key, pos = _read_varint(message, pos)
+        key, pos = read_varint(message, pos)
         number, wire = key >> 3, key & 7
         value: int | bytes
         if wire == 0:
-            value, pos = _read_varint(message, pos)
+            value, pos = read_varint(message, pos)
         elif wire == 1:
             value, pos = struct.unpack_from("<Q", message, pos)[0], pos + 8
         elif wire == 5:
             value, pos = struct.unpack_from("<I", message, pos)[0], pos + 4
         elif wire == 2:
-            length, pos = _read_varint(message, pos)
+            length, pos = read_varint(message, pos)
             value, pos = message[pos : pos + length], pos + length
         else:
             raise ImageError(f"unsupported wire type {wire}")
@@ -78,19 +66,6 @@ def _fields(message: bytes) -> list[tuple[int, int, bytes, int | bytes]]:
     if pos != len(message):
         raise ImageError("truncated record")
     return out
-
-
-def _read_varint(data: bytes, pos: int) -> tuple[int, int]:
-    value = shift = 0
-    while True:
-        if pos >= len(data):
-            raise ImageError("truncated varint")
-        byte = data[pos]
-        pos += 1
-        value |= (byte & 0x7F) << shift
-        if not byte & 0x80:
-            return value, pos
-        shift += 7
 
 
 def _records(data: bytes) -> tuple[bytes, list[bytes]]:
@@ -167,7 +142,7 @@ def _rewrite_isk(isk: bytes, ports: dict[int, int]) -> bytes:
     for number, wire, raw, value in fields:
         moved = number == _SRC_PORT or (number == _DST_PORT and to_itself)
         if moved and wire == 0 and isinstance(value, int) and value in ports:
-            out += _varint(number << 3) + _varint(ports[value])
+            out += varint_bytes(number << 3) + varint_bytes(ports[value])
         else:
             out += raw
     return bytes(out)
@@ -186,7 +161,7 @@ def rewrite_files_img(data: bytes, ports: dict[int, int]) -> bytes:
         for number, _wire, raw, value in fields:
             if number == _FILE_ISK and isinstance(value, bytes):
                 isk = _rewrite_isk(value, ports)
-                entry += _varint((number << 3) | 2) + _varint(len(isk)) + isk
+                entry += varint_bytes((number << 3) | 2) + varint_bytes(len(isk)) + isk
             else:
                 entry += raw
         out += struct.pack("<I", len(entry)) + entry

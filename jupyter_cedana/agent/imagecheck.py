@@ -56,7 +56,7 @@ def _ints(fields: crimg.Fields, number: int) -> list[int]:
             continue
         pos = 0
         while pos < len(value):
-            item, pos = crimg._varint(value, pos)
+            item, pos = crimg.read_varint(value, pos)
             out.append(item)
     return out
 
