@@ -41,41 +41,52 @@ while True:
 """
 
 
-@pytest.fixture
-def filler(tmp_path: Path) -> Iterator[subprocess.Popen[bytes]]:
-    out = tmp_path / "filler.out"
+@contextlib.contextmanager
+def running(program: str, cwd: Path) -> Iterator[subprocess.Popen[bytes]]:
+    """A python process running `program` in `cwd`, once it printed "ready"; killed after
+    (or the process CRIU restored in its place, under the same pid)."""
+    out = cwd / "filler.out"
     with open(out, "w") as f:
         proc = subprocess.Popen(
-            [sys.executable, "-c", FILL],
+            [sys.executable, "-c", program],
             stdin=subprocess.DEVNULL,
             stdout=f,
             stderr=subprocess.STDOUT,
             start_new_session=True,
-            cwd=tmp_path,
+            cwd=cwd,
         )
     deadline = time.monotonic() + 60
     while "ready" not in out.read_text():
         assert proc.poll() is None and time.monotonic() < deadline, out.read_text()
         time.sleep(0.05)
-    yield proc
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(proc.pid, signal.SIGKILL)  # or the process CRIU restored in its place
-    proc.wait()
+    try:
+        yield proc
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+@pytest.fixture
+def filler(tmp_path: Path) -> Iterator[subprocess.Popen[bytes]]:
+    with running(FILL, tmp_path) as proc:
+        yield proc
 
 
 def digest_of(pid: int, cwd: Path) -> str:
+    """The process's digest of its memory. Asked again each second: a signal sent right
+    after `criu restore -d` returns can be lost (seen under load), and the answer is the
+    same however often it is asked."""
     (cwd / "digest").unlink(missing_ok=True)
     deadline = time.monotonic() + 30
-    asked = 0.0
-    while not (cwd / "digest").exists():
+    while True:
+        os.kill(pid, signal.SIGUSR1)
+        asked = time.monotonic()
+        while time.monotonic() - asked < 1:
+            if (cwd / "digest").exists():
+                return (cwd / "digest").read_text()
+            time.sleep(0.02)
         assert time.monotonic() < deadline
-        # Asked again each second: a SIGUSR1 sent just as `criu restore -d` returned was
-        # seen lost once on a loaded machine; the digest itself is what is checked.
-        if time.monotonic() - asked > 1:
-            os.kill(pid, signal.SIGUSR1)
-            asked = time.monotonic()
-        time.sleep(0.02)
-    return (cwd / "digest").read_text()
 
 
 def restored_digest(filler: subprocess.Popen[bytes], images: Path, cwd: Path) -> str:

@@ -3,11 +3,9 @@ the pages the base lacks, and real CRIU restores base plus deltas as one image."
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,6 +16,7 @@ from jupyter_cedana.capture import ImageCapture
 from jupyter_cedana.crimg import PE_PARENT, pagemap, pids
 from jupyter_cedana.incremental import INDEX_NAME, PARENT_LINK, PageIndex
 from jupyter_cedana.integrity import chunk_crcs
+from tests.test_capture import digest_of, restored_digest, running
 
 pytestmark = pytest.mark.root
 
@@ -59,24 +58,8 @@ while True:
 
 @pytest.fixture
 def filler(tmp_path: Path) -> Iterator[subprocess.Popen[bytes]]:
-    out = tmp_path / "filler.out"
-    with open(out, "w") as f:
-        proc = subprocess.Popen(
-            [sys.executable, "-c", FILL],
-            stdin=subprocess.DEVNULL,
-            stdout=f,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            cwd=tmp_path,
-        )
-    deadline = time.monotonic() + 60
-    while "ready" not in out.read_text():
-        assert proc.poll() is None and time.monotonic() < deadline, out.read_text()
-        time.sleep(0.05)
-    yield proc
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
+    with running(FILL, tmp_path) as proc:
+        yield proc
 
 
 def _wait_for(path: Path, text: str | None = None) -> str:
@@ -85,22 +68,6 @@ def _wait_for(path: Path, text: str | None = None) -> str:
         assert time.monotonic() < deadline
         time.sleep(0.02)
     return path.read_text()
-
-
-def digest_of(pid: int, cwd: Path) -> str:
-    """The process's digest of its memory. Asked again each second: a signal sent right
-    after `criu restore -d` returns can be lost (seen under load), and the answer is the
-    same however often it is asked."""
-    (cwd / "digest").unlink(missing_ok=True)
-    deadline = time.monotonic() + 30
-    while True:
-        os.kill(pid, signal.SIGUSR1)
-        asked = time.monotonic()
-        while time.monotonic() - asked < 1:
-            if (cwd / "digest").exists():
-                return (cwd / "digest").read_text()
-            time.sleep(0.02)
-        assert time.monotonic() < deadline
 
 
 def change(pid: int, cwd: Path, step: int) -> None:
@@ -133,20 +100,6 @@ def dump(pid: int, images: Path, base: PageIndex | None) -> ImageCapture:
 
 def page_bytes(images: Path) -> int:
     return sum(p.stat().st_size for p in images.glob("pages-*.img"))
-
-
-def restored_digest(filler: subprocess.Popen[bytes], images: Path, cwd: Path) -> str:
-    filler.kill()
-    filler.wait()
-    restored = subprocess.run(
-        ["criu", "restore", "-D", str(images), "-o", "restore.log", "--shell-job", "-d"],
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert restored.returncode == 0, (images / "restore.log").read_text()[-2000:]
-    return digest_of(filler.pid, cwd)
 
 
 def test_deltas_hold_what_changed_and_criu_restores_the_chain(
