@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import hashlib
 import json
 import mmap
@@ -38,9 +39,14 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchlib import (
     GB,
+    SMALL,
+    drop_caches,
     engine_at,
     fill,
     machine_info,
+    med,
+    output_of,
+    plain_cold_read,
     plain_write_fsync,
     run,
     start_kernel,
@@ -169,10 +175,39 @@ def compare(a: Any, b: Any) -> dict[str, int]:
     }
 
 
-async def part_kernel(root: Path, size_gb: float, share: float, analyse: bool) -> dict[str, Any]:
-    """First suspend (whole), resume, a cell changing `share` of the array, second suspend
-    (a delta on the first image, CheckpointEngine.keep_base), resume: both suspends'
-    frozen time and bytes the disk wrote, the state right after each resume."""
+def held_on_disk(path: Path) -> int:
+    """Bytes the files under `path` take on the disk, each inode once (a chain's layers
+    are hard links to the images they came from)."""
+    seen: set[int] = set()
+    total = 0
+    for dirpath, _, files in os.walk(path):
+        for name in files:
+            with contextlib.suppress(OSError):
+                st = os.lstat(os.path.join(dirpath, name))
+                if st.st_ino not in seen:
+                    seen.add(st.st_ino)
+                    total += st.st_blocks * 512
+    return total
+
+
+STATE = "import hashlib; print(hashlib.sha256(a.tobytes()).hexdigest())"
+CELL_TIMED = (
+    "import time as _t; _t0 = _t.perf_counter(); int(a.sum()); print(_t.perf_counter() - _t0)"
+)
+
+
+async def part_kernel(
+    root: Path, size_gb: float, share: float, analyse: bool, repeats: int, cycles: int
+) -> dict[str, Any]:
+    """One kernel with CheckpointEngine.keep_base on. `repeats` times: a whole suspend,
+    a resume, a cell changing `share` of the array, a second suspend (a delta on the
+    first image): both suspends' frozen time and the bytes the disk wrote (diskstats,
+    and the process's own accounting); then a cold resume from that chain (caches
+    dropped): its first output and all pages in, beside a plain cold read of as many
+    bytes on the same disk. Then `cycles` cycles of resume, cell, suspend: the state
+    after every resume, the disk the chain takes against the kernel's memory. Then
+    shutdown: nothing of the kernel left under the root."""
+    from jupyter_cedana.dumping import tree_rss
     from jupyter_cedana.incremental import INDEX_NAME
 
     root.mkdir(parents=True, exist_ok=True)
@@ -182,68 +217,175 @@ async def part_kernel(root: Path, size_gb: float, share: float, analyse: bool) -
     workdir = Path(tempfile.mkdtemp(prefix="cedana-incr-work-"))
     km, kc = await start_kernel(root, workdir, keep_base=True)
     prov = km.provisioner
-    out: dict[str, Any] = {"size_gb": size_gb, "share": share}
+    out: dict[str, Any] = {"size_gb": size_gb, "share": share, "repeats": [], "cycles": []}
+    stopped = False
     try:
         await fill(kc, prov.pid, int(size_gb * GB))
         store = prov.engine.store
         kid = prov.kernel_id_str
-        state = "import hashlib; print(hashlib.sha256(a.tobytes()).hexdigest())"
+        image = store.path(kid)
+        out["memory_bytes"] = tree_rss(prov.pid)
+        out["cell_s_before"] = float((await run(kc, CELL_TIMED)).strip())
 
-        async def suspend(tag: str) -> Any:
+        async def suspend(row: dict[str, Any], tag: str) -> Any:
             os.sync()
             w0, p0 = disk_written(root), process_written()
             t = time.perf_counter()
             s = await prov.suspend()
             took = time.perf_counter() - t
             os.sync()
-            out[f"{tag}_disk_bytes"] = disk_written(root) - w0
-            out[f"{tag}_process_bytes"] = process_written() - p0
-            out[f"{tag}_suspend_s"] = round(took, 3)
-            out[f"{tag}_frozen_s"] = round((prov.last_suspend_breakdown or {})["frozen_s"], 3)
-            out[f"{tag}_image_bytes"] = s.get("checkpoint_bytes")
+            row[f"{tag}_disk_bytes"] = disk_written(root) - w0
+            row[f"{tag}_process_bytes"] = process_written() - p0
+            row[f"{tag}_suspend_s"] = round(took, 3)
+            row[f"{tag}_frozen_s"] = round((prov.last_suspend_breakdown or {})["frozen_s"], 3)
+            row[f"{tag}_image_bytes"] = s.get("checkpoint_bytes")
             if not analyse:
                 return None
-            return await asyncio.to_thread(page_digests, store.path(kid))
+            return await asyncio.to_thread(page_digests, image)
 
-        async def resume(tag: str, expect: str) -> None:
-            t = time.perf_counter()
+        async def resume(expect: str) -> None:
             await prov.resume()
             await prov.memory_loaded()
-            out[f"{tag}_resume_s"] = round(time.perf_counter() - t, 3)
-            if (await run(kc, state)).strip() != expect:
-                raise RuntimeError(f"state after the {tag} resume differs")
+            if (await run(kc, STATE)).strip() != expect:
+                raise RuntimeError("the state after a resume differs")
 
-        expect = (await run(kc, state)).strip()
-        first = await suspend("first")
-        await resume("first", expect)
-        deadline = time.monotonic() + 600  # the base is indexed while the kernel runs
-        t = time.monotonic()
-        while not (store.path(kid) / INDEX_NAME).exists():
-            if time.monotonic() > deadline:
-                raise RuntimeError("the kept image was never indexed")
-            await asyncio.sleep(0.1)
-        out["index_s"] = round(time.monotonic() - t, 3)
-        cell = f"_k = int(a.size * {share}); _o = a.size // 3; a[_o:_o + _k] += 1; junk = 1"
-        await run(kc, cell)
-        expect = (await run(kc, state)).strip()
-        second = await suspend("second")
-        manifest = store.read_manifest(kid)
-        out["second_is_delta"] = bool(manifest.get("base"))
-        out["second_held_bytes"] = manifest.get("held_bytes")
-        if analyse:
-            out.update(compare(first, second))
-        await resume("second", expect)
-        out["frozen_ratio"] = round(out["second_frozen_s"] / out["first_frozen_s"], 3)
-        out["disk_ratio"] = round(out["second_disk_bytes"] / out["first_disk_bytes"], 4)
-        out["process_ratio"] = round(
-            out["second_process_bytes"] / max(1, out["first_process_bytes"]), 4
-        )
-    finally:
+        async def indexed() -> float:
+            t = time.monotonic()
+            while not (image / INDEX_NAME).exists():  # made while the kernel runs
+                if time.monotonic() > t + 600:
+                    raise RuntimeError("the kept image was never indexed")
+                await asyncio.sleep(0.1)
+            return round(time.monotonic() - t, 3)
+
+        for r in range(repeats):
+            row: dict[str, Any] = {}
+            # Each repeat starts whole: the image kept from the one before goes.
+            doomed = store.detach_image(kid)
+            if doomed is not None:
+                shutil.rmtree(doomed)
+            expect = (await run(kc, STATE)).strip()
+            first = await suspend(row, "first")
+            await prov.resume()
+            await prov.memory_loaded()
+            # A cell while the kept image is indexed (the base's one cost to cells).
+            row["cell_s_indexing"] = float((await run(kc, CELL_TIMED)).strip())
+            if (await run(kc, STATE)).strip() != expect:
+                raise RuntimeError("the state after the first resume differs")
+            row["index_s"] = await indexed()
+            row["cell_s_with_base"] = float((await run(kc, CELL_TIMED)).strip())
+            row["base_held_running"] = held_on_disk(image)
+            cell = (
+                f"_k = int(a.size * {share}); _o = (a.size // 7) * {r % 6 + 1}; "
+                "a[_o:_o + _k] += 1; junk = 1"
+            )
+            await run(kc, cell)
+            expect = (await run(kc, STATE)).strip()
+            second = await suspend(row, "second")
+            manifest = store.read_manifest(kid)
+            row["second_is_delta"] = bool(manifest.get("base"))
+            row["held_bytes"] = int(manifest.get("held_bytes") or manifest["total_bytes"])
+            if analyse:
+                row.update(compare(first, second))
+            # A cold resume from the chain: first output, all pages in.
+            drop_caches()
+            t0, m0 = time.perf_counter(), time.monotonic()
+            await prov.resume()
+            arrived, text = await output_of(kc, SMALL)
+            await prov.memory_loaded()
+            if text != "42":
+                raise RuntimeError(f"unexpected output {text!r}")
+            in_at = prov.last_memory_in_at
+            row["first_output_s"] = round(arrived - t0, 3)
+            row["all_in_s"] = round(in_at - m0 if in_at is not None else arrived - t0, 3)
+            row["plain_cold_read_s"] = round(plain_cold_read(root, row["held_bytes"], True), 3)
+            if (await run(kc, STATE)).strip() != expect:
+                raise RuntimeError("the state after the resume from the chain differs")
+            row["frozen_ratio"] = round(row["second_frozen_s"] / row["first_frozen_s"], 3)
+            row["disk_ratio"] = round(row["second_disk_bytes"] / row["first_disk_bytes"], 4)
+            row["process_ratio"] = round(
+                row["second_process_bytes"] / max(1, row["first_process_bytes"]), 4
+            )
+            row["all_in_vs_read"] = round(row["all_in_s"] / row["plain_cold_read_s"], 3)
+            out["repeats"].append(row)
+            print(f"  repeat {r + 1}: {json.dumps(row)}", flush=True)
+            await indexed()
+        for i in range(cycles):
+            cell = (
+                f"_k = int(a.size * {share}); _o = (a.size // 23) * {i % 22}; "
+                "a[_o:_o + _k] += 1; junk = 1"
+            )
+            await run(kc, cell)
+            expect = (await run(kc, STATE)).strip()
+            memory = tree_rss(prov.pid)
+            t = time.perf_counter()
+            await prov.suspend()
+            suspend_s = time.perf_counter() - t
+            manifest = store.read_manifest(kid)
+            depth = len(store.layers(kid, manifest))
+            disk = held_on_disk(image)
+            await resume(expect)  # raises if the state differs
+            row = {
+                "cycle": i + 1,
+                "suspend_s": round(suspend_s, 3),
+                "frozen_s": round((prov.last_suspend_breakdown or {})["frozen_s"], 3),
+                "layers": depth,
+                "disk_bytes": disk,
+                "memory_bytes": memory,
+                "disk_ratio": round(disk / memory, 3),
+                "state_ok": True,
+            }
+            out["cycles"].append(row)
+            print(f"  cycle {json.dumps(row)}", flush=True)
+            await indexed()
         await stop_kernel(km, kc)
+        stopped = True
+        # Anything of the kernel's under the root but its log: image, chain, temporaries.
+        left = [str(p.relative_to(root)) for p in root.rglob(f"*{kid}*") if p.suffix != ".log"]
+        out["left_after_shutdown"] = left
+    finally:
+        if not stopped:
+            await stop_kernel(km, kc)
         shutil.rmtree(workdir, ignore_errors=True)
-    for k, v in out.items():
-        print(f"  {k:40s} {v}", flush=True)
+    rows = out["repeats"]
+    out["median"] = (
+        {
+            k: med(rows, k)
+            for k in rows[0]
+            if isinstance(rows[0][k], int | float) and not isinstance(rows[0][k], bool)
+        }
+        if rows
+        else {}
+    )
+    if out["cycles"]:
+        out["cycles_max_disk_ratio"] = max(c["disk_ratio"] for c in out["cycles"])
+        out["cycles_state_ok"] = all(c["state_ok"] for c in out["cycles"])
+    print(f"  median: {json.dumps(out['median'])}", flush=True)
+    print(f"  left after shutdown: {out.get('left_after_shutdown')}", flush=True)
     return out
+
+
+TABLE_HEAD = (
+    "| GB | frozen 1st s | 2nd s | ratio | diskstats 1st GB | 2nd GB | ratio "
+    "| process 1st GB | 2nd GB | ratio | 1st output s | all in s | plain cold read s "
+    "| all in / read | cycles: max disk / memory, state |\n" + "| --- " * 15 + "|"
+)
+
+
+def table_row(r: dict[str, Any]) -> str:
+    m = r["median"]
+    cyc = (
+        f"{r['cycles_max_disk_ratio']:.2f}, {len(r['cycles'])}/{len(r['cycles'])} right"
+        if r.get("cycles")
+        else "-"
+    )
+    return (
+        f"| {r['size_gb']:g} | {m['first_frozen_s']:.2f} | {m['second_frozen_s']:.2f} "
+        f"| {m['frozen_ratio']:.2f} | {m['first_disk_bytes'] / GB:.3f} "
+        f"| {m['second_disk_bytes'] / GB:.3f} | {m['disk_ratio']:.3f} "
+        f"| {m['first_process_bytes'] / GB:.3f} | {m['second_process_bytes'] / GB:.3f} "
+        f"| {m['process_ratio']:.4f} | {m['first_output_s']:.2f} | {m['all_in_s']:.2f} "
+        f"| {m['plain_cold_read_s']:.2f} | {m['all_in_vs_read']:.2f} | {cyc} |"
+    )
 
 
 def main() -> int:
@@ -256,6 +398,10 @@ def main() -> int:
         help="also compare both images page by page (reads and hashes both: slow)",
     )
     ap.add_argument("--share", type=float, default=0.015, help="share of the array a cell changes")
+    ap.add_argument("--repeats", type=int, default=3, help="whole + delta suspends per size")
+    ap.add_argument(
+        "--cycles", type=int, default=0, help="then this many resume/cell/suspend cycles"
+    )
     ap.add_argument("--hash-mb", type=int, default=256)
     ap.add_argument("--root", type=Path, default=None, help="checkpoint root (the disk tested)")
     ap.add_argument("--json", type=Path, default=None)
@@ -272,21 +418,20 @@ def main() -> int:
             for size in (float(x) for x in args.sizes.split(",")):
                 print(f"== {size:g} GB kernel, a cell changing {args.share:.1%}", flush=True)
                 result["kernel"].append(
-                    asyncio.run(part_kernel(root / "ckpt", size, args.share, args.analyse))
+                    asyncio.run(
+                        part_kernel(
+                            root / "ckpt",
+                            size,
+                            args.share,
+                            args.analyse,
+                            args.repeats,
+                            args.cycles,
+                        )
+                    )
                 )
-            print(
-                "\n| GB | frozen 1st s | 2nd s | ratio | disk 1st GB | 2nd GB | ratio "
-                "| process 1st GB | 2nd GB | ratio |"
-            )
-            print("| --- " * 10 + "|")
+            print(TABLE_HEAD)
             for r in result["kernel"]:
-                print(
-                    f"| {r['size_gb']:g} | {r['first_frozen_s']:.2f} | {r['second_frozen_s']:.2f} "
-                    f"| {r['frozen_ratio']:.2f} | {r['first_disk_bytes'] / GB:.3f} "
-                    f"| {r['second_disk_bytes'] / GB:.3f} | {r['disk_ratio']:.3f} "
-                    f"| {r['first_process_bytes'] / GB:.3f} "
-                    f"| {r['second_process_bytes'] / GB:.3f} | {r['process_ratio']:.4f} |"
-                )
+                print(table_row(r))
     finally:
         if args.root is None:
             shutil.rmtree(root, ignore_errors=True)
