@@ -9,7 +9,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "architecture.md"
 # Where the files it names by their bare name (in the diagrams) live.
-HOMES = [ROOT / "jupyter_cedana", ROOT / "native", ROOT / "labextension" / "src"]
+HOMES = [
+    ROOT / "jupyter_cedana",
+    ROOT / "jupyter_cedana" / "agent",
+    ROOT / "native",
+    ROOT / "labextension" / "src",
+]
 
 # A path into the package, the native helpers or the frontend: jupyter_cedana/gate.py,
 # native/cedana-pages.c, labextension/src/panel.tsx, jupyter_cedana/events/kernel_state.yaml

@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def documents() -> list[Path]:
     top = [ROOT / name for name in ("README.md", "CONTRIBUTING.md", "CHANGELOG.md")]
-    return [p for p in top if p.exists()] + sorted((ROOT / "docs").glob("*.md"))
+    return top + sorted((ROOT / "docs").glob("*.md")) + [ROOT / "bench" / "README.md"]
 
 
 FENCE = re.compile(r"^\s{0,3}(`{3,}|~{3,})")
@@ -84,8 +84,10 @@ def links(path: Path) -> list[tuple[int, str]]:
     return found
 
 
-def broken_links(path: Path) -> tuple[list[str], int]:
-    """The broken relative links of a Markdown file, and how many relative links it has."""
+def broken_links(path: Path, root: Path = ROOT) -> tuple[list[str], int]:
+    """The broken relative links of a Markdown file, and how many relative links it has.
+    A link out of the repository (`root`) is broken too: a reader of the repository does
+    not have what lies beside it."""
     errors: list[str] = []
     checked = 0
     for number, target in links(path):
@@ -94,7 +96,10 @@ def broken_links(path: Path) -> tuple[list[str], int]:
         checked += 1
         file_part, _, anchor = target.partition("#")
         dest = (path.parent / file_part).resolve() if file_part else path
-        where = f"{path.relative_to(ROOT) if path.is_relative_to(ROOT) else path.name}:{number}"
+        where = f"{path.relative_to(root) if path.is_relative_to(root) else path.name}:{number}"
+        if not dest.is_relative_to(root.resolve()):
+            errors.append(f"{where}: {target}: outside the repository")
+            continue
         if not dest.exists():
             errors.append(f"{where}: {target}: no such file")
             continue
@@ -105,6 +110,8 @@ def broken_links(path: Path) -> tuple[list[str], int]:
 
 def test_every_relative_link_resolves() -> None:
     docs = documents()
+    missing = [p for p in docs if not p.is_file()]
+    assert missing == []
     assert {p.name for p in docs} >= {"README.md", "index.md", "architecture.md"}
     errors: list[str] = []
     checked = 0
@@ -118,8 +125,11 @@ def test_every_relative_link_resolves() -> None:
 
 
 def test_the_checker_catches_broken_links(tmp_path: Path) -> None:
-    (tmp_path / "other.md").write_text("# A `code` heading: yes\n\n## Twice\n\n## Twice\n")
-    doc = tmp_path / "doc.md"
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    (tmp_path / "beside.md").write_text("# Beside the repository\n")
+    (repo / "other.md").write_text("# A `code` heading: yes\n\n## Twice\n\n## Twice\n")
+    doc = repo / "doc.md"
     doc.write_text(
         "# Title\n\n"
         "[fine](other.md#a-code-heading-yes) [second](other.md#twice-1) [self](#title)\n"
@@ -127,14 +137,15 @@ def test_the_checker_catches_broken_links(tmp_path: Path) -> None:
         "[web](https://example.org/404) `[in code](nowhere.md)`\n\n"
         "```\n[in a block](nowhere.md)\n# not a heading\n```\n"
         "[ref]: also-missing.md\n"
-        "[self-bad](#not-a-heading)\n"
+        "[self-bad](#not-a-heading) [out](../beside.md)\n"
     )
-    errors, checked = broken_links(doc)
-    assert checked == 8
-    assert len(errors) == 5, errors
+    errors, checked = broken_links(doc, root=repo)
+    assert checked == 9
+    assert len(errors) == 6, errors
     for target in ("missing.md", "other.md#nope", "images/none.png", "also-missing.md"):
         assert any(f": {target}:" in e for e in errors), (target, errors)
     assert any("#not-a-heading" in e for e in errors)
+    assert any(": ../beside.md: outside the repository" in e for e in errors), errors
 
 
 def test_slugs_follow_github() -> None:
@@ -149,11 +160,20 @@ def test_slugs_follow_github() -> None:
 
 
 def test_readme_keeps_the_quick_start() -> None:
-    """CI runs the README's test command (.ci/run); a newcomer starts with these two."""
+    """A newcomer starts with these two commands, and CI runs the README's test command
+    (.ci/run): they stay in the README, and the scripts they name exist."""
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
     blocks = re.findall(r"```bash\n(.*?)```", readme, re.S)
-    commands = {line.strip() for block in blocks for line in block.splitlines()}
+    commands = {line.split(" #")[0].strip() for block in blocks for line in block.splitlines()}
     assert "bash scripts/lab.sh" in commands
     assert "bash scripts/test.sh" in commands
-    # The first screen, not a manual: the rest lives in docs/.
-    assert len(readme.splitlines()) <= 110
+    assert (ROOT / "scripts" / "lab.sh").is_file()
+    assert (ROOT / "scripts" / "test.sh").is_file()
+    assert "scripts/test.sh" in (ROOT / ".ci" / "run").read_text(encoding="utf-8")
+
+
+def test_readme_is_a_first_screen() -> None:
+    """The README is the first screen, not a manual (under about 100 lines): what goes
+    beyond it lives in docs/."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert len(readme.splitlines()) <= 100
