@@ -30,7 +30,7 @@ from .errors import (
     NotCheckpointable,
     SuspendFailed,
 )
-from .incremental import INDEX_NAME, PageIndex
+from .incremental import INDEX_NAME, PageIndex, manifest_token
 from .pids import task_ids
 from .proctree import process_tree
 from .restoring import Restoring
@@ -282,7 +282,9 @@ class Checkpointing(Restoring):
         }
         self._reserve_ports()
         if dumped.delta is not None:  # the next suspend's base, unless the image goes
-            self._background(asyncio.to_thread(_save_index, dumped.delta.index, store.path(kid)))
+            self._background(
+                asyncio.to_thread(_save_index, dumped.delta.index, store.path(kid), manifest)
+            )
         self._gpu_state = gpu_state
         self.tier = "disk"
         self.suspended_at = suspended_at
@@ -318,9 +320,11 @@ def _delta_summary(dumped: DumpResult) -> dict[str, Any]:
     }
 
 
-def _save_index(index: PageIndex, images: Any) -> None:
-    """Saved where the image now is (it was dumped under a temporary name)."""
+def _save_index(index: PageIndex, images: Any, manifest: dict[str, Any]) -> None:
+    """Saved where the image now is (it was dumped under a temporary name), naming the
+    image it is of (an image that replaced it meanwhile will not take it)."""
     index.directory = images
+    index.image = manifest_token(manifest)
     with contextlib.suppress(OSError):  # gone meanwhile: no base for the next dump
         index.save()
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import bisect
 import hashlib
+import json
 import os
 import struct
 from collections.abc import Iterable
@@ -40,8 +41,11 @@ from .crimg import (
 
 PARENT_LINK = "parent"  # CRIU's name for the link to the previous image (CR_PARENT_LINK)
 INDEX_NAME = "page-index.bin"
+MANIFEST_NAME = "manifest.json"  # checkpoint.MANIFEST (not imported: that module is heavier)
 DIGEST_SIZE = 16
-_INDEX_MAGIC = b"CDNPIDX1"
+# 2: the index names the image it was made of (its manifest's `created`).
+_INDEX_MAGIC = b"CDNPIDX2"
+_TOKEN = struct.Struct("<32s")
 _RECORD = struct.Struct("<IQ16s")  # pid, vaddr, digest
 _READ_PAGES = 1024  # pages read at once while indexing
 
@@ -61,6 +65,11 @@ class PageIndex:
     directory: Path
     at: dict[int, dict[int, bytes]] = field(default_factory=dict)
     where: dict[bytes, tuple[int, int]] = field(default_factory=dict)
+    # The image the digests are of (image_token). An index is saved into its image's
+    # directory after the image was made, while the kernel may be suspended and resumed
+    # again; one made of an image that has been replaced meanwhile must never be taken
+    # for the new image's (its pages would be taken as in the base: a wrong restore).
+    image: str = ""
 
     def add(self, pid: int, vaddr: int, digest: bytes) -> None:
         self.at.setdefault(pid, {})[vaddr] = digest
@@ -78,9 +87,12 @@ class PageIndex:
         saved = images / INDEX_NAME
         if saved.exists():
             return cls.load(images)
+        # Read before the pages: an image replaced while they are read leaves an index
+        # that names the old one, which load() then refuses.
+        token = image_token(images)
         parent = _parent_of(images)
         base = cls.of_image(parent) if parent is not None else None
-        index = cls(images)
+        index = cls(images, image=token)
         for pid in pids(images):
             for run in pagemap(images, pid):
                 if run.present:
@@ -107,6 +119,7 @@ class PageIndex:
         tmp = path.with_name(path.name + ".tmp")
         with open(tmp, "wb") as f:
             f.write(_INDEX_MAGIC)
+            f.write(_TOKEN.pack(self.image.encode()))
             f.write(
                 b"".join(
                     _RECORD.pack(pid, vaddr, digest)
@@ -120,13 +133,40 @@ class PageIndex:
 
     @classmethod
     def load(cls, images: Path) -> PageIndex:
+        """The index saved in `images`; ImageError when it is malformed, or was made of
+        another image than the one there now."""
         data = (images / INDEX_NAME).read_bytes()
-        if data[:8] != _INDEX_MAGIC or (len(data) - 8) % _RECORD.size:
+        head = 8 + _TOKEN.size
+        if data[:8] != _INDEX_MAGIC or len(data) < head or (len(data) - head) % _RECORD.size:
             raise ImageError(f"{images.name}/{INDEX_NAME} is malformed")
-        index = cls(images)
-        for pid, vaddr, digest in _RECORD.iter_unpack(memoryview(data)[8:]):
+        token = _TOKEN.unpack_from(data, 8)[0].rstrip(b"\0").decode(errors="replace")
+        if not token or token != image_token(images):
+            raise ImageError(f"{images.name}/{INDEX_NAME} was made of another image")
+        index = cls(images, image=token)
+        for pid, vaddr, digest in _RECORD.iter_unpack(memoryview(data)[head:]):
             index.add(pid, vaddr, digest)
         return index
+
+
+def image_token(images: Path) -> str:
+    """What tells one committed image from another of the same kernel: its manifest's
+    `created` (the commit's time, to the nanosecond's precision of a float)."""
+    try:
+        manifest = json.loads((images / MANIFEST_NAME).read_text())
+    except (OSError, ValueError) as e:
+        raise ImageError(f"{images.name}: no readable manifest: {e}") from e
+    token = manifest_token(manifest)
+    if not token:
+        raise ImageError(f"{images.name}: its manifest has no creation time")
+    return token
+
+
+def manifest_token(manifest: object) -> str:
+    """image_token() of the image whose manifest this is; empty if it has no `created`."""
+    created = manifest.get("created") if isinstance(manifest, dict) else None
+    if not isinstance(created, int | float):
+        return ""
+    return repr(float(created))[:32]
 
 
 def _parent_of(images: Path) -> Path | None:

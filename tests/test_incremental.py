@@ -3,6 +3,7 @@ the pages the base lacks, and real CRIU restores base plus deltas as one image."
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -13,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from jupyter_cedana.capture import ImageCapture
-from jupyter_cedana.crimg import PE_PARENT, pagemap, pids
-from jupyter_cedana.incremental import INDEX_NAME, PARENT_LINK, PageIndex
+from jupyter_cedana.crimg import PE_PARENT, ImageError, pagemap, pids
+from jupyter_cedana.incremental import INDEX_NAME, PARENT_LINK, PageIndex, image_token
 from jupyter_cedana.integrity import chunk_crcs
 from tests.test_capture import digest_of, restored_digest, running
 
@@ -95,7 +96,13 @@ def dump(pid: int, images: Path, base: PageIndex | None) -> ImageCapture:
     assert capture.error is None, capture.error
     for name, (size, crcs) in sums.items():
         assert (size, crcs) == chunk_crcs(images / name)  # what was really written
+    commit(images)
     return capture
+
+
+def commit(images: Path) -> None:
+    """What of the store's commit an index looks at: the manifest's creation time."""
+    (images / "manifest.json").write_text(json.dumps({"created": time.time()}))
 
 
 def page_bytes(images: Path) -> int:
@@ -136,10 +143,19 @@ def test_deltas_hold_what_changed_and_criu_restores_the_chain(
         # The index of base + delta, as the capture learnt it, is what the images hold.
         computed = PageIndex.of_image(delta)
         assert computed.at == result.index.at
+        result.index.image = image_token(delta)
         result.index.save()
         assert (delta / INDEX_NAME).exists()
         assert PageIndex.load(delta).at == computed.at
         base, images = result.index, delta
+    # An index names its image: once another image is committed in its place (the kernel
+    # suspended again while the index was made or saved), it is refused, never used.
+    time.sleep(0.001)
+    made_of = image_token(images)
+    commit(images)
+    assert image_token(images) != made_of
+    with pytest.raises(ImageError, match="made of another image"):
+        PageIndex.load(images)
 
     assert restored_digest(filler, images, tmp_path) == before
 
