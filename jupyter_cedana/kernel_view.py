@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
+from .bases import checkpoint_disk
 from .timestamps import iso
 
 if TYPE_CHECKING:
@@ -52,6 +53,7 @@ def kernel_view(manager: SuspendManager, kernel_id: str) -> dict[str, Any]:
         "suspended_at": iso(prov.suspended_at) if prov else None,
         "keep_awake_until": iso(keep) if keep and keep > now else None,
         "checkpoint_bytes": prov.checkpoint_bytes if prov else 0,
+        "checkpoint_disk": checkpoint_disk(manager, kernel_id, prov) if prov else None,
         "last_suspend_seconds": prov.last_suspend_seconds if prov else None,
         "last_resume_seconds": prov.last_resume_seconds if prov else None,
         "gpus": [g.to_json() for g in manager.gpus_of(kernel_id)],

@@ -223,8 +223,14 @@ class Budget:
     the checkpoint disk, with a reservation per dump under way.
 
     Images count against the budget when someone owns them: a kernel of this server, or
-    whatever `owners` name (e.g. parked kernels). Images nobody owns, left by a crash,
-    are reported instead (`orphans()`), and removed by `jupyter cedana gc`.
+    whatever `owners` name (e.g. parked kernels), each with its chain of bases (an
+    incremental image's `held_bytes`). Images nobody owns, left by a crash, are reported
+    instead (`orphans()`), and removed by `jupyter cedana gc`.
+
+    The kept images of running kernels (`bases`: CheckpointEngine.keep_base) are a cache:
+    dropping one (`drop_base`) only makes that kernel's next suspend a whole one. When a
+    dump needs room the budget or the disk does not have, they are dropped first, the
+    largest first, before the dump is refused. A suspended kernel's image is never one.
     """
 
     def __init__(
@@ -233,24 +239,46 @@ class Budget:
         limit: Callable[[], int],
         min_free: Callable[[], int],
         owners: Callable[[], Iterable[str]],
+        bases: Callable[[], Iterable[str]] = lambda: (),
+        drop_base: Callable[[str], bool] = lambda kernel_id: False,
     ):
         self._store = store
         self._limit = limit
         self._min_free = min_free
         self._owners = owners
+        self._bases = bases
+        self._drop_base = drop_base
         self._reserved: dict[str, int] = {}
         self._written: dict[str, int] = {}
+        self.dropped: list[str] = []  # bases dropped to make room, oldest first (last 20)
 
     def images(self) -> list[Image]:
         store = self._store()
         found = []
         for kid in store.kernel_ids():
             try:
-                size = int(store.read_manifest(kid).get("total_bytes") or 0)
+                manifest = store.read_manifest(kid)
+                size = int(manifest.get("held_bytes") or manifest.get("total_bytes") or 0)
             except (NotFound, CheckpointCorrupt, ValueError, TypeError):
                 continue
             found.append(Image(kid, size))
         return found
+
+    def _make_room(self, kernel_id: str, fits: Callable[[], bool], own: bool = False) -> bool:
+        """Drop kept bases of running kernels, the largest first, until `fits()`; the
+        base of `kernel_id` itself only if `own` (it counts on the disk, not in the
+        budget, where the image it becomes replaces it). Whether it fits now."""
+        if fits():
+            return True
+        sizes = {i.kernel_id: i.bytes for i in self.images()}
+        bases = [k for k in self._bases() if k in sizes and (own or k != kernel_id)]
+        # Another kernel's first, then the kernel's own.
+        for kid in sorted(bases, key=lambda k: (k == kernel_id, -sizes[k])):
+            if self._drop_base(kid):
+                self.dropped = [*self.dropped[-19:], kid]
+                if fits():
+                    return True
+        return False
 
     def _split(self) -> tuple[list[Image], list[Image]]:
         owned = set(self._owners())
@@ -278,9 +306,13 @@ class Budget:
         owned, orphans = self._split()
         used = sum(i.bytes for i in owned)
         limit = self._limit()
+        bases = set(self._bases())
         return {
             "limit": limit if limit > 0 else None,
             "used": used,
+            # Of `used`: the kept images of running kernels, dropped first for room.
+            "base_bytes": sum(i.bytes for i in owned if i.kernel_id in bases),
+            "bases_dropped": len(self.dropped),
             "reserved": self.reserved,
             "available": max(0, limit - used - self.reserved) if limit > 0 else None,
             "orphaned_images": len(orphans),
@@ -296,6 +328,7 @@ class Budget:
         others = self.reserved
         limit = self._limit()
         if limit > 0:
+            self._make_room(kernel_id, lambda: self._budget_fits(kernel_id, others + estimate))
             owned, _ = self._split()
             used = sum(i.bytes for i in owned if i.kernel_id != kernel_id)
             if used + others + estimate > limit:
@@ -307,11 +340,14 @@ class Budget:
                     f"{limit} ({_size(limit)}); the kernel keeps running. "
                     + _holders([i for i in owned if i.kernel_id != kernel_id])
                 )
-        free = self.free_bytes()
         pending = sum(
             max(0, size - self._written.get(kid, 0)) for kid, size in self._reserved.items()
         )
         margin = max(0, self._min_free())
+        self._make_room(
+            kernel_id, lambda: self.free_bytes() - pending - estimate >= margin, own=True
+        )
+        free = self.free_bytes()
         if free - pending - estimate < margin:
             raise InsufficientStorage(
                 f"Not enough free space on the checkpoint disk: this kernel's image would "
@@ -321,6 +357,11 @@ class Budget:
                 + _holders([i for i in self.images() if i.kernel_id != kernel_id])
             )
         self._reserved[kernel_id] = estimate
+
+    def _budget_fits(self, kernel_id: str, more: int) -> bool:
+        owned, _ = self._split()
+        used = sum(i.bytes for i in owned if i.kernel_id != kernel_id)
+        return used + more <= self._limit()
 
     def written(self, kernel_id: str, nbytes: int) -> None:
         """Progress of a dump: bytes of its reservation already on the disk."""
@@ -334,9 +375,10 @@ class Budget:
         reserved = self._reserved.get(kernel_id, 0)
         if limit <= 0 or nbytes <= reserved:
             return
+        others = self.reserved - reserved
+        self._make_room(kernel_id, lambda: self._budget_fits(kernel_id, others + nbytes))
         owned, _ = self._split()
         used = sum(i.bytes for i in owned if i.kernel_id != kernel_id)
-        others = self.reserved - reserved
         if used + others + nbytes > limit:
             raise InsufficientStorage(
                 f"Checkpoint budget exceeded: the image came to {_size(nbytes)}, more than "

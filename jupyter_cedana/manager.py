@@ -20,6 +20,7 @@ from traitlets.config import LoggingConfigurable
 
 from . import metrics
 from .backoff import SuspendBackoff
+from .bases import drop_base, kept_bases
 from .checkpoint import validate_kernel_id
 from .engine import CheckpointEngine
 from .errors import CedanaError, Conflict, EngineUnavailable, InsufficientStorage, NotFound
@@ -88,6 +89,8 @@ class SuspendManager(LoggingConfigurable):
             limit=lambda: self.policy.max_checkpoint_bytes,
             min_free=lambda: self.limits.min_free_disk_bytes,
             owners=self.owned_image_ids,
+            bases=lambda: kept_bases(self),
+            drop_base=lambda kid: drop_base(self, kid),
         )
 
     async def on_kernel_action(self, logger: Any, schema_id: str, data: dict[str, Any]) -> None:

@@ -22,6 +22,45 @@ export const KEEP_AWAKE_CHOICES: ReadonlyArray<{
   { label: '1 week', seconds: 7 * 86400 }
 ];
 
+/**
+ * What a kernel's checkpoint holds on disk, and a tooltip that explains it: a whole
+ * image, an incremental image on its bases, or a running kernel's kept base.
+ */
+export function checkpointText(kernel: IKernel): {
+  text: string;
+  title: string;
+} {
+  const disk = kernel.checkpoint_disk;
+  const total = kernel.checkpoint_bytes;
+  // An event may have changed the size since the split was read: the size wins.
+  if (!disk || disk.image_bytes + disk.base_bytes !== total || total <= 0) {
+    return {
+      text: total > 0 ? formatBytes(total) : '–',
+      title: 'Checkpoint size'
+    };
+  }
+  const bases = disk.layers - 1;
+  if (disk.kept_base) {
+    return {
+      text: `${formatBytes(total)} kept as base`,
+      title:
+        'The image this kernel was resumed from, kept so that its next suspend ' +
+        'writes only what changed; dropped first when the checkpoint disk needs room' +
+        (bases > 0 ? ` (${disk.layers} images in its chain)` : '')
+    };
+  }
+  if (bases > 0) {
+    return {
+      text: `${formatBytes(disk.image_bytes)} + ${formatBytes(disk.base_bytes)} base`,
+      title:
+        `An incremental image of ${formatBytes(disk.image_bytes)} on ` +
+        `${bases} base${bases === 1 ? '' : 's'} of ${formatBytes(disk.base_bytes)}: ` +
+        `${formatBytes(total)} on disk`
+    };
+  }
+  return { text: formatBytes(total), title: 'Checkpoint size (a whole image)' };
+}
+
 /** What the buttons of a kernel may do now. */
 export function allowedActions(
   kernel: IKernel,
@@ -125,6 +164,7 @@ function KernelCard(props: IKernelCardProps): JSX.Element {
   const progress = kernel.progress;
   const waiting = queueText(kernel);
   const backoff = backoffText(kernel);
+  const checkpoint = checkpointText(kernel);
 
   const run = (what: string, action: () => Promise<unknown>) => {
     action().catch(error => notifyError(what, error));
@@ -214,10 +254,8 @@ function KernelCard(props: IKernelCardProps): JSX.Element {
           )}
         </dd>
         <dt>Image</dt>
-        <dd className="jp-cedana-checkpoint" title="Checkpoint size">
-          {kernel.checkpoint_bytes > 0
-            ? formatBytes(kernel.checkpoint_bytes)
-            : '–'}
+        <dd className="jp-cedana-checkpoint" title={checkpoint.title}>
+          {checkpoint.text}
         </dd>
         <dt>Took</dt>
         <dd

@@ -43,6 +43,18 @@ export interface IBackoff {
   retry_at: string;
 }
 
+/** What a kernel's checkpoint holds on disk, split (an incremental image's chain). */
+export interface ICheckpointDisk {
+  /** The newest image: a delta, or a whole image. */
+  image_bytes: number;
+  /** The bases under it; 0 for a whole image. */
+  base_bytes: number;
+  /** Images in the chain: 1 for a whole image. */
+  layers: number;
+  /** The kernel runs; its image is kept only as the base of its next suspend. */
+  kept_base: boolean;
+}
+
 /** A kernel as `GET /api/cedana/kernels` describes it. */
 export interface IKernel {
   id: string;
@@ -56,6 +68,8 @@ export interface IKernel {
   suspended_at: string | null;
   keep_awake_until: string | null;
   checkpoint_bytes: number;
+  /** Absent from servers that have no incremental images; null: no image on disk. */
+  checkpoint_disk?: ICheckpointDisk | null;
   last_suspend_seconds: number | null;
   last_resume_seconds: number | null;
   gpus: IGpu[];
@@ -72,6 +86,9 @@ export interface IKernel {
 export interface IBudget {
   limit: number | null;
   used: number;
+  /** Of `used`: bases kept by running kernels (absent from older servers). */
+  base_bytes?: number;
+  bases_dropped?: number;
   reserved: number;
   available: number | null;
   orphaned_images: number;

@@ -4,6 +4,7 @@ import {
   allowedActions,
   backoffText,
   badgeText,
+  checkpointText,
   orphansText,
   queueText,
   suspendTitle
@@ -46,6 +47,85 @@ describe('indicatorView', () => {
       makeKernel({ state: 'failed', reason: 'bad image' })
     )!;
     expect(view.title).toBe('bad image');
+  });
+});
+
+describe('checkpointText', () => {
+  const GB = 1e9;
+  const MB = 1e6;
+
+  it('shows a whole image, or its size alone from older servers', () => {
+    expect(checkpointText(makeKernel()).text).toBe('–');
+    expect(checkpointText(makeKernel({ checkpoint_bytes: 2 * GB })).text).toBe(
+      '2.00 GB'
+    );
+    const whole = checkpointText(
+      makeKernel({
+        state: 'suspended',
+        checkpoint_bytes: 2 * GB,
+        checkpoint_disk: {
+          image_bytes: 2 * GB,
+          base_bytes: 0,
+          layers: 1,
+          kept_base: false
+        }
+      })
+    );
+    expect(whole.text).toBe('2.00 GB');
+    expect(whole.title).toContain('whole image');
+  });
+
+  it('splits an incremental image from its bases', () => {
+    const view = checkpointText(
+      makeKernel({
+        state: 'suspended',
+        checkpoint_bytes: 2 * GB + 30 * MB,
+        checkpoint_disk: {
+          image_bytes: 30 * MB,
+          base_bytes: 2 * GB,
+          layers: 3,
+          kept_base: false
+        }
+      })
+    );
+    expect(view.text).toBe('30.0 MB + 2.00 GB base');
+    expect(view.title).toBe(
+      'An incremental image of 30.0 MB on 2 bases of 2.00 GB: 2.03 GB on disk'
+    );
+  });
+
+  it("says a running kernel's image is a kept base, dropped first for room", () => {
+    const view = checkpointText(
+      makeKernel({
+        checkpoint_bytes: 1 * GB,
+        checkpoint_disk: {
+          image_bytes: 1 * GB,
+          base_bytes: 0,
+          layers: 1,
+          kept_base: true
+        }
+      })
+    );
+    expect(view.text).toBe('1.00 GB kept as base');
+    expect(view.title).toContain(
+      'dropped first when the checkpoint disk needs room'
+    );
+  });
+
+  it('trusts a size an event changed over a split read before it', () => {
+    const view = checkpointText(
+      makeKernel({
+        state: 'suspended',
+        checkpoint_bytes: 3 * GB,
+        checkpoint_disk: {
+          image_bytes: 1 * GB,
+          base_bytes: 0,
+          layers: 1,
+          kept_base: true
+        }
+      })
+    );
+    expect(view.text).toBe('3.00 GB');
   });
 });
 
