@@ -170,10 +170,3 @@ def test_readme_keeps_the_quick_start() -> None:
     assert (ROOT / "scripts" / "lab.sh").is_file()
     assert (ROOT / "scripts" / "test.sh").is_file()
     assert "scripts/test.sh" in (ROOT / ".ci" / "run").read_text(encoding="utf-8")
-
-
-def test_readme_is_a_first_screen() -> None:
-    """The README is the first screen, not a manual (under about 100 lines): what goes
-    beyond it lives in docs/."""
-    readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    assert len(readme.splitlines()) <= 100
