@@ -316,7 +316,9 @@ class Restoring(GpuSteps):
         # has not been checked against pages served by userfaultfd.
         page_files = [m for n, m in manifest["files"].items() if is_page_file(n)]
         chunked = bool(page_files) and all("chunks" in m for m in page_files)
-        big = int(manifest.get("total_bytes") or 0) >= min_bytes
+        # An incremental image's size is its chain's: a small delta on a large base is large.
+        held = manifest.get("held_bytes") or manifest.get("total_bytes")
+        big = int(held or 0) >= min_bytes
         return chunked and big and not gpu_state and lazy_off is None
 
     def _drop_record(self) -> None:
