@@ -97,7 +97,7 @@ async def claim_adoption(prov: Any) -> KernelConnectionInfo | None:
     )
     prov.process = None
     prov.cwd = record.get("cwd") or os.getcwd()
-    prov._gpu_state = manifest.get("gpu")
+    prov.adopt_gpu_state(manifest.get("gpu"))
     prov.take_record(plan.held)  # locked for as long as this server owns the kernel
     return cast(KernelConnectionInfo, info)
 

@@ -46,7 +46,7 @@ READABLE_FORMATS = (1, 2)
 ROOT_MARKER = ".jupyter-cedana"
 # Kernel ids are uuid4 strings in Jupyter; anything that could climb out of the root or
 # hide as a dot-file is refused before it is joined to a path.
-_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,127}$")
+KERNEL_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,127}$")
 # A dump in progress is `.<id>.tmp-<pid>-<n>` until its writer holds an flock on the
 # directory, then `.<id>.tmp-<pid>-<n>.locked` for as long as it writes. The kernel drops
 # the lock of a writer that dies however it dies, so a lock that can be taken proves the
@@ -57,7 +57,7 @@ _WRITING: dict[str, int] = {}
 
 
 def validate_kernel_id(kernel_id: str) -> str:
-    if not isinstance(kernel_id, str) or not _ID_RE.match(kernel_id):
+    if not isinstance(kernel_id, str) or not KERNEL_ID_RE.match(kernel_id):
         raise InvalidId(f"Invalid kernel id: {kernel_id!r}")
     return kernel_id
 
@@ -508,7 +508,7 @@ class CheckpointStore:
         return sorted(
             p.name
             for p in self.root.iterdir()
-            if _ID_RE.match(p.name)
+            if KERNEL_ID_RE.match(p.name)
             and not p.is_symlink()
             and p.is_dir()
             and (p / MANIFEST).is_file()

@@ -22,13 +22,13 @@ import contextlib
 import time
 import weakref
 from collections.abc import Awaitable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from jupyter_server.services.kernels.connection.channels import ZMQChannelsWebsocketConnection
 
 from .errors import CedanaError
 from .replies import WAKE, Message, ReplyCache, disposition
-from .websocket import GatedWebsocketConnection
+from .websocket import Gate, GatedWebsocketConnection
 
 KERNEL_ACTIONS = "https://events.jupyter.org/jupyter_server/kernel_actions/v1"
 # A delivered request keeps the policy off the kernel until the kernel is idle again for
@@ -204,6 +204,10 @@ class MessageGate:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
+    def refresh_later(self, kernel_id: str) -> None:
+        """Refresh what the reply cache knows of a kernel, in the background."""
+        self._background(self.refresh(kernel_id))
+
     def _background(self, work: Awaitable[Any]) -> None:
         if self._closed:
             if asyncio.iscoroutine(work):
@@ -373,3 +377,9 @@ class MessageGate:
         for conn in self.connections(kid):
             with contextlib.suppress(Exception):
                 conn.send_status(state)
+
+
+if TYPE_CHECKING:
+    # Connections see the gate through websocket.Gate: mypy checks that it fits.
+    def _as_gate(gate: MessageGate) -> Gate:
+        return gate

@@ -10,17 +10,34 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
-from jupyter_server._tz import utcnow
-
-from .policy import KernelFacts
+from .policy import KernelFacts, SuspendPolicy
 
 if TYPE_CHECKING:
-    from .manager import SuspendManager
+    from .engine import CheckpointEngine
+    from .provisioner import CedanaProvisioner
 
 
-def kernel_facts(manager: SuspendManager, kernel_id: str, kernel: Any) -> KernelFacts:
+class FactSource(Protocol):
+    """What the facts are read from: the manager (manager.SuspendManager), declared here
+    so that the manager depends on this module and not the other way round."""
+
+    @property
+    def engine(self) -> CheckpointEngine: ...
+    @property
+    def policy(self) -> SuspendPolicy: ...
+    @property
+    def gpu_monitor(self) -> Any: ...
+    @property
+    def kernel_manager(self) -> Any: ...
+    def provisioner_of(self, kernel: Any) -> CedanaProvisioner | None: ...
+    def gpus_of(self, kernel_id: str) -> list[Any]: ...
+    def keep_awake_until(self, kernel_id: str) -> float | None: ...
+    def suspended_seconds(self, kernel_id: str, prov: CedanaProvisioner) -> float: ...
+
+
+def kernel_facts(manager: FactSource, kernel_id: str, kernel: Any) -> KernelFacts:
     prov = manager.provisioner_of(kernel)
     gpus = manager.gpus_of(kernel_id)
     extra = []
@@ -70,5 +87,6 @@ def between_processes(kernel: Any) -> bool:
 def touch(kernel_manager: Any, kernel_id: str) -> None:
     """Record activity a person caused: the idle countdown starts again."""
     with contextlib.suppress(KeyError):
-        kernel_manager.get_kernel(kernel_id).last_activity = now = utcnow()
+        now = dt.datetime.now(dt.timezone.utc)
+        kernel_manager.get_kernel(kernel_id).last_activity = now
         kernel_manager.last_kernel_activity = now

@@ -384,12 +384,12 @@ class KernelParking(LoggingConfigurable):
         coming in (a lazy restore) is stopped, and what it did since its resume is lost.
         The outcome, or None when the kernel has no complete image to go back to."""
         if prov.transition_in_flight == "resume" and self._store.exists(kid):
-            await prov._abort_transition("the server is stopping")  # back to suspended
+            await prov.abort_transition("the server is stopping")  # back to suspended
             if not self._on_disk(kid, prov):
                 return None
             self.log.info("jupyter-cedana: kernel %s: its restore was abandoned: %s", kid, late)
             return await self._park_one(kid, km, prov, asyncio.Semaphore(1), set())
-        loading = prov._loading
+        loading = prov.memory_loading
         if loading is None or prov.held_record is None or not self._store.exists(kid):
             return None
         resumed = prov.resumed_at
@@ -503,8 +503,7 @@ class KernelParking(LoggingConfigurable):
             "'jupyter cedana gc' for the image"
         )
         self.log.error("jupyter-cedana: kernel %s not parked: %s", kid, why)
-        with contextlib.suppress(Exception):
-            prov._set_state(prov.state, reason=why)
+        prov.note_reason(why)
         return False
 
     def _dump_cost(self, kid: str, prov: CedanaProvisioner) -> int:
@@ -555,7 +554,7 @@ class KernelParking(LoggingConfigurable):
         mkm.remove_kernel(kid)
         with contextlib.suppress(Exception):
             km.cleanup_connection_file()
-        prov._release_ports()
+        prov.release_ports()
         prov.release_record()  # for the next server to take
 
 

@@ -230,7 +230,7 @@ class CedanaProvisioner(Checkpointing, TransitionMachine, LocalProvisioner):  # 
         """A shutdown or restart ends any suspend or resume in flight first: the old
         tree either runs on (and gets the shutdown) or is gone, and nothing it does
         later can touch the kernel started next."""
-        await self._abort_transition(
+        await self.abort_transition(
             "the kernel is restarting" if restart else "the kernel is shutting down"
         )
 
@@ -337,6 +337,15 @@ class CedanaProvisioner(Checkpointing, TransitionMachine, LocalProvisioner):  # 
             self._record.release()
         self._record = held
 
+    @property
+    def memory_loading(self) -> asyncio.Future[None] | None:
+        """A lazy restore's memory still coming in from the image, or None."""
+        return self._loading
+
+    def adopt_gpu_state(self, state: dict[str, Any] | None) -> None:
+        """The GPU state an adopted kernel's image holds (its manifest's "gpu")."""
+        self._gpu_state = state
+
     def release_record(self) -> None:
         """Parked: the record stays for the next server, which takes its lock."""
         if self._record is not None:
@@ -395,6 +404,11 @@ class CedanaProvisioner(Checkpointing, TransitionMachine, LocalProvisioner):  # 
                 )
                 continue
             self._reserved.append(s)
+
+    def release_ports(self) -> None:
+        """Let go of the ports held for a kernel with no process (it was parked: the next
+        server holds them)."""
+        self._release_ports()
 
     def _release_ports(self) -> None:
         for s in self._reserved:

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .checkpoint import _ID_RE, MANIFEST, ROOT_MARKER, CheckpointStore, writer_gone
+from .checkpoint import KERNEL_ID_RE, MANIFEST, ROOT_MARKER, CheckpointStore, writer_gone
 from .errors import CheckpointCorrupt, NotFound
 from .parkrecords import (
     RECORD_FORMAT,
@@ -142,7 +142,7 @@ def _tree_bytes(path: Path) -> int:
 
 def is_image(store: CheckpointStore, path: Path) -> bool:
     """A directory of ours holding a manifest of our format for the id it is named after."""
-    if not _ID_RE.match(path.name) or not _mine(_lstat(path), stat.S_IFDIR):
+    if not KERNEL_ID_RE.match(path.name) or not _mine(_lstat(path), stat.S_IFDIR):
         return False
     if not _mine(_lstat(path / MANIFEST), stat.S_IFREG):
         return False
@@ -273,7 +273,7 @@ def plan(
             leave(path, "a symbolic link")
         elif name in (".logs", ".work", ROOT_MARKER, RECORDS):
             continue  # looked at below; park records are parking's own business
-        elif _ID_RE.match(name):
+        elif KERNEL_ID_RE.match(name):
             if is_image(store, path):
                 if name not in keep:
                     images.add(name)
@@ -301,7 +301,7 @@ def plan(
 
     for sub, kind, pattern, wanted in (
         (".logs", "log", _LOG_RE, stat.S_IFREG),
-        (".work", "work", _ID_RE, stat.S_IFDIR),
+        (".work", "work", KERNEL_ID_RE, stat.S_IFDIR),
     ):
         folder = root / sub
         st = _lstat(folder)

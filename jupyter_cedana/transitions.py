@@ -111,6 +111,11 @@ class TransitionMachine:
             self.progress = None
         self._notify("state")
 
+    def note_reason(self, reason: str | None) -> None:
+        """Keep the kernel's state and say what is wrong with it (the sidebar shows it)."""
+        self.reason = reason
+        self._notify("state")
+
     def _set_progress(self, phase: str, done: int | None, total: int | None) -> None:
         fraction = min(1.0, done / total) if done is not None and total else 0.0
         self.progress = Progress(phase, fraction, done, total)
@@ -124,7 +129,7 @@ class TransitionMachine:
     async def _once(self, kind: str, work: Callable[[], Awaitable[Any]]) -> Any:
         """Run a transition under the kernel's lock; a concurrent request for the same
         transition waits for the running one and gets its result. A shutdown or restart
-        may abort it (_abort_transition): its callers then get a Conflict."""
+        may abort it (abort_transition): its callers then get a Conflict."""
         if self._inflight is not None and self._inflight[0] == kind:
             try:
                 return await asyncio.shield(self._inflight[1])
@@ -160,7 +165,7 @@ class TransitionMachine:
         if self._aborted is not None:
             raise Conflict(self._aborted) from None
 
-    async def _abort_transition(self, why: str) -> None:
+    async def abort_transition(self, why: str) -> None:
         """Cancel the transition in flight, if any, and wait until it has rolled back
         (a suspend leaves the kernel running, a resume leaves it suspended)."""
         inflight, owner = self._inflight, self._owner

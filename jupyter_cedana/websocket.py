@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable
+from typing import Any, Protocol
 
 from jupyter_client.jsonutil import json_default
 from jupyter_server.services.kernels.connection.base import (
@@ -19,10 +20,27 @@ from jupyter_server.services.kernels.connection.base import (
 from jupyter_server.services.kernels.connection.channels import ZMQChannelsWebsocketConnection
 
 from . import links
-from .replies import Message
+from .replies import Message, ReplyCache
 
-if TYPE_CHECKING:
-    from .gate import MessageGate
+
+class Gate(Protocol):
+    """What a connection asks of the message gate (gate.py's MessageGate). Declared here
+    so that the gate depends on the connection and not the other way round."""
+
+    log: Any
+    replies: ReplyCache
+
+    def watch(self, kernel_id: str) -> None: ...
+    def connecting(self, conn: GatedWebsocketConnection, now: bool) -> None: ...
+    def closed_to(self, kernel_id: str) -> bool: ...
+    async def unless_suspended(
+        self, kernel_id: str, work: Awaitable[Any], cancel: bool
+    ) -> bool: ...
+    def refresh_later(self, kernel_id: str) -> None: ...
+    def incoming(self, conn: GatedWebsocketConnection, raw: Any) -> None: ...
+    def observes(self, kernel_id: str, msg_type: str) -> bool: ...
+    def from_kernel(self, kernel_id: str, msg: dict[str, Any]) -> None: ...
+
 
 V1 = "v1.kernel.websocket.jupyter.org"
 # ZMQ reconnects every 0.1 s; a stdin socket not back by then is stuck for another reason.
@@ -33,7 +51,7 @@ class GatedWebsocketConnection(ZMQChannelsWebsocketConnection):
     """jupyter_server's websocket connection, with messages to suspended kernels gated."""
 
     @property
-    def gate(self) -> MessageGate | None:
+    def gate(self) -> Gate | None:
         handler = self.websocket_handler
         settings = getattr(handler, "settings", None) or {}
         return settings.get("cedana_gate")
@@ -83,14 +101,14 @@ class GatedWebsocketConnection(ZMQChannelsWebsocketConnection):
             return super().nudge()
         return asyncio.ensure_future(self._nudge_unless_suspended(gate))
 
-    async def _nudge_unless_suspended(self, gate: MessageGate) -> None:
+    async def _nudge_unless_suspended(self, gate: Gate) -> None:
         kid = self.kernel_id
         try:
             if not gate.closed_to(kid):
                 if not await gate.unless_suspended(kid, super().nudge(), cancel=True):
                     gate.log.info("Kernel %s left running while a client connected", kid)
                 elif not gate.replies.knows(kid):
-                    gate._background(gate.refresh(kid))
+                    gate.refresh_later(kid)
         finally:
             gate.connecting(self, False)
 
