@@ -311,8 +311,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--root",
         metavar="DIR",
         help="clean this checkpoint root instead of the server's; without a running "
-        "server every image there is removed (asks first). Only what jupyter-cedana can "
-        "prove it wrote is removed (images with its manifest, its temporary names)",
+        "server every image there is removed (asks first) except those of parked "
+        "kernels, which the next server adopts. Only what jupyter-cedana can prove it "
+        "wrote is removed (images with its manifest, its temporary names)",
     )
     p.add_argument("--yes", "-y", action="store_true", help="do not ask (with --root)")
     p.add_argument(
