@@ -25,6 +25,7 @@ from .crimg import ImageError, dump_breakdown, mark_lazy
 from .cuda import CudaStateLeft
 from .dumping import DumpResult, dir_bytes, tree_rss
 from .errors import (
+    CedanaError,
     Conflict,
     InsufficientStorage,
     NotCheckpointable,
@@ -161,15 +162,26 @@ class Checkpointing(Restoring):
         kid = self.kernel_id_str
         if not (store.path(kid) / INDEX_NAME).exists():
             return None
-        # Until chains are compacted in the background: a chain holding more than this
-        # share of the kernel's memory is replaced by a whole image.
-        held = store.size_of(kid)
-        if held > CHAIN_LIMIT * tree_rss(self.pid or 0):
+        # Chains are not compacted (docs/incremental.md): a chain that would hold more
+        # than this share of the kernel's memory with one more delta the size of its
+        # last one is replaced by a whole image.
+        try:
+            top = store.read_manifest(kid)
+            held = int(top.get("held_bytes") or top["total_bytes"])
+            next_delta = int(top["total_bytes"]) if top.get("base") else 0
+        except (CedanaError, KeyError, TypeError, ValueError):
+            return None
+        if held + next_delta > CHAIN_LIMIT * tree_rss(self.pid or 0):
             self.log.info("Kernel %s: suspended whole, its chain holding %d bytes", kid, held)
             return None
         try:
             linked = store.link_base(kid, tmp)
-            return PageIndex.load(linked) if linked is not None else None
+            if linked is None:
+                return None
+            index = PageIndex.load(linked)
+            # Only the newest image's index is ever read: the bases' would only hold disk.
+            (linked / INDEX_NAME).unlink()
+            return index
         except (OSError, ImageError) as e:
             self.log.warning("Kernel %s: suspended whole, its base unusable: %s", kid, e)
             shutil.rmtree(tmp / BASE_NAME, ignore_errors=True)

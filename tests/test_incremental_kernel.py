@@ -80,6 +80,8 @@ async def test_repeat_suspends_write_what_changed(kernel, checkpoint_root: Path)
                 if p.is_file() and p.name != "manifest.json" and INDEX_NAME not in p.name
             )
             assert manifest["held_bytes"] == on_disk
+            # Only the newest image's page index is kept: the bases' would hold disk.
+            assert not list((image / BASE_NAME).rglob(INDEX_NAME))
         # What the kernel's checkpoint holds on disk (the REST view's checkpoint_bytes).
         assert prov.checkpoint_bytes == manifest["held_bytes"]
         await prov.resume()
