@@ -145,8 +145,13 @@ class CheckpointEngine(SingletonConfigurable):
         False,
         help="Keep a resumed kernel's image as the base of its next suspend, which then "
         "writes only the pages that changed (an incremental image on that base: "
-        "docs/incremental.md). Costs the image's disk space while the kernel runs, and "
-        "reading and hashing the kernel's memory at the next suspend; needs stream_dump.",
+        "docs/incremental.md); needs stream_dump. Off by default: on the 2-vCPU VM "
+        "measured, a repeat suspend after a cell changing 1.5 % of a 1 GB kernel wrote "
+        "0.02x the bytes but kept the kernel frozen as long as a whole one or longer "
+        "(it reads and hashes all memory while frozen), and the base holds about the "
+        "kernel's memory on disk while it runs (dropped first when the checkpoint budget "
+        "or the disk needs room). Worth it where disk writes are scarce or costly, or "
+        "where the hashing is fast (more cores).",
     ).tag(config=True)
 
     stream_dump = Bool(
