@@ -50,7 +50,7 @@ const CATEGORY = 'Kernel Suspend';
 const plugin: JupyterFrontEndPlugin<void> = {
   id: PLUGIN_ID,
   description:
-    'Suspend idle kernels to disk, free their GPU, restore them on the next cell.',
+    'Suspend idle kernels to disk, free their GPU, resume them on the next cell.',
   autoStart: true,
   optional: [
     ILayoutRestorer,
@@ -199,7 +199,7 @@ const plugin: JupyterFrontEndPlugin<void> = {
 
     app.commands.addCommand(CommandIDs.resume, {
       label: 'Resume Suspended Kernel',
-      caption: "Restore the current notebook's kernel now",
+      caption: "Resume the current notebook's kernel now",
       isEnabled: args => {
         const id = kernelIdOf(args);
         if (!id || model.isPending(id)) {
@@ -218,7 +218,7 @@ const plugin: JupyterFrontEndPlugin<void> = {
         try {
           const kernel = await model.resume(id);
           Notification.info(
-            `Kernel restored in ${formatDuration(kernel.last_resume_seconds)}`,
+            `Kernel resumed in ${formatDuration(kernel.last_resume_seconds)}`,
             { autoClose: 4000 }
           );
         } catch (error) {

@@ -1,6 +1,6 @@
 /**
  * The notebook toolbar item that says when the notebook's kernel is
- * suspended, and shows "Restoring… (size)" with progress while it resumes.
+ * suspended, and shows "Resuming… (size)" with progress while it resumes.
  */
 import { ISessionContext } from '@jupyterlab/apputils';
 import { Widget } from '@lumino/widgets';
@@ -40,8 +40,8 @@ export function indicatorView(
     case 'suspended': {
       if (kernel.queued?.action === 'resume') {
         return {
-          text: 'Restoring… (queued)',
-          title: `Waiting for a free restore slot (#${kernel.queued.position} in line): other kernels are being restored`,
+          text: 'Resuming… (queued)',
+          title: `Waiting for a free resume slot (#${kernel.queued.position} in line): other kernels are resuming`,
           fraction: null,
           state: 'resuming'
         };
@@ -51,7 +51,7 @@ export function indicatorView(
         `Kernel suspended${kernel.tier ? ` (${kernel.tier})` : ''}`,
         size > 0 ? `checkpoint ${formatBytes(size)}` : '',
         freed > 0 ? `${formatBytes(freed)} GPU memory freed` : '',
-        'run a cell to restore it'
+        'run a cell to resume it'
       ].filter(Boolean);
       return {
         text: 'Suspended',
@@ -62,10 +62,10 @@ export function indicatorView(
     }
     case 'resuming':
       return {
-        text: `Restoring…${size > 0 ? ` (${formatBytes(size)})` : ''}${percent}`,
+        text: `Resuming…${size > 0 ? ` (${formatBytes(size)})` : ''}${percent}`,
         title: progress
-          ? `Restoring the kernel: ${progress.phase}`
-          : 'Restoring the kernel',
+          ? `Resuming the kernel: ${progress.phase}`
+          : 'Resuming the kernel',
         fraction,
         state: 'resuming'
       };
@@ -80,8 +80,8 @@ export function indicatorView(
       };
     case 'failed':
       return {
-        text: 'Suspend/restore failed',
-        title: kernel.reason ?? 'The last suspend or restore failed',
+        text: 'Suspend/resume failed',
+        title: kernel.reason ?? 'The last suspend or resume failed',
         fraction: null,
         state: 'failed'
       };

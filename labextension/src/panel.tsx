@@ -317,7 +317,7 @@ function KernelCard(props: IKernelCardProps): JSX.Element {
         <button
           className="jp-mod-styled jp-cedana-resume"
           disabled={!allowed.resume}
-          title="Restore this kernel now"
+          title="Resume this kernel now"
           onClick={() => run('Resume failed', () => model.resume(kernel.id))}
         >
           {pending && model.pendingAction(kernel.id) === 'resume'

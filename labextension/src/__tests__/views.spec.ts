@@ -29,7 +29,7 @@ describe('indicatorView', () => {
     expect(view.fraction).toBeNull();
   });
 
-  it('says Restoring… (size) with progress', () => {
+  it('says Resuming… (size) with progress', () => {
     const view = indicatorView(
       makeKernel({
         state: 'resuming',
@@ -37,7 +37,7 @@ describe('indicatorView', () => {
         progress: { phase: 'restore', fraction: 0.42 }
       })
     )!;
-    expect(view.text).toBe('Restoring… (4.00 GB) 42 %');
+    expect(view.text).toBe('Resuming… (4.00 GB) 42 %');
     expect(view.fraction).toBeCloseTo(0.42);
     expect(view.state).toBe('resuming');
   });
@@ -179,7 +179,7 @@ describe('panel helpers', () => {
     expect(queueText(resume)).toContain('#3 in line');
     expect(queueText(makeKernel())).toBeNull();
     const view = indicatorView(resume)!;
-    expect(view.text).toBe('Restoring… (queued)');
+    expect(view.text).toBe('Resuming… (queued)');
     expect(view.title).toContain('#3 in line');
   });
 
