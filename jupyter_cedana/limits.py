@@ -250,7 +250,7 @@ class Budget:
         self._drop_base = drop_base
         self._reserved: dict[str, int] = {}
         self._written: dict[str, int] = {}
-        self.dropped: list[str] = []  # bases dropped to make room, oldest first (last 20)
+        self.bases_dropped = 0  # kept bases dropped to make room since the start
 
     def images(self) -> list[Image]:
         store = self._store()
@@ -275,7 +275,7 @@ class Budget:
         # Another kernel's first, then the kernel's own.
         for kid in sorted(bases, key=lambda k: (k == kernel_id, -sizes[k])):
             if self._drop_base(kid):
-                self.dropped = [*self.dropped[-19:], kid]
+                self.bases_dropped += 1
                 if fits():
                     return True
         return False
@@ -312,7 +312,7 @@ class Budget:
             "used": used,
             # Of `used`: the kept images of running kernels, dropped first for room.
             "base_bytes": sum(i.bytes for i in owned if i.kernel_id in bases),
-            "bases_dropped": len(self.dropped),
+            "bases_dropped": self.bases_dropped,
             "reserved": self.reserved,
             "available": max(0, limit - used - self.reserved) if limit > 0 else None,
             "orphaned_images": len(orphans),
