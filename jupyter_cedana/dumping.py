@@ -135,6 +135,7 @@ async def criu_dump(
     images: Path,
     progress: ProgressCallback | None = None,
     base: PageIndex | None = None,
+    owner: tuple[int, int] | None = None,
 ) -> DumpResult:
     """Dump the tree rooted at `pid` into `images`, leaving it stopped (not killed).
 
@@ -142,12 +143,14 @@ async def criu_dump(
     if anything after the dump fails: the kernel then runs on exactly as before.
     Returns the seconds CRIU took and the (size, chunk CRCs) of the page files, hashed
     while CRIU wrote them (with their zero chunks made holes). On a `base` (streaming
-    only), the image written is a delta on it (incremental.py).
+    only), the image written is a delta on it (incremental.py). `owner` (uid, gid) of
+    the tree goes to the engine's dump_command_prefix.
     """
     info = engine.require()
     expected = tree_rss(pid)
     stream = engine.stream_dump
     cmd = [
+        *engine.dump_command_prefix(owner),
         *engine.base_args(info),
         "dump",
         # An explicit plugin directory: a distribution's cuda_plugin.so would otherwise

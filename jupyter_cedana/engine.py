@@ -413,17 +413,23 @@ class CheckpointEngine(SingletonConfigurable):
             args.append("--unprivileged")
         return args
 
+    def dump_command_prefix(self, owner: tuple[int, int] | None) -> list[str]:
+        """What runs the dump's CRIU for the tree of `owner` (uid, gid): nothing here;
+        the checkpoint agent's engine gives its CRIU the owner's real ids."""
+        return []
+
     async def dump(
         self,
         pid: int,
         images: Path,
         progress: ProgressCallback | None = None,
         base: PageIndex | None = None,
+        owner: tuple[int, int] | None = None,
     ) -> DumpResult:
         """Dumps run concurrently, except two whose CRIU would mount /proc in the same
         directory (procmount.py). On a `base`: an incremental image (incremental.py)."""
         async with dump_turn(pid):
-            return await criu_dump(self, pid, images, progress, base)
+            return await criu_dump(self, pid, images, progress, base, owner)
 
     def start_restore(
         self, images: Path, work: Path, pidfile: Path, lazy: bool = False

@@ -20,7 +20,8 @@
  * what CRIU dumps, and a parent-death signal there would fire right after a restore.
  *
  * --chdir DIR: once CMD is started (in the caller's working directory), the init moves
- * to DIR, a private writable directory. CRIU's parasite in the root task of a tree in its
+ * to DIR, a private writable directory (with --user, before it drops to the user and
+ * forks CMD: DIR is root's). CRIU's parasite in the root task of a tree in its
  * own PID namespace (the host /proc is not that namespace's) makes `proc.crtools` in the
  * task's working directory to mount a /proc there: in the user's directory two dumps of
  * kernels sharing it collide (EEXIST), and a read-only one cannot be dumped at all. CRIU
@@ -42,15 +43,17 @@
  * are child subreapers: a kernel's orphans (a daemon started from a notebook) become
  * their children instead of the system init's, and are killed when CMD has exited.
  *
- * --user UID --gid GID [--groups G1,G2,...] [--cwd DIR]: the kernel (CMD) runs as that
- * user, and nothing else does: the watcher and the init stay root, so that the namespace,
- * its /proc and its mounts are built with privilege and root CRIU can dump the tree (a
- * task of another uid whose /proc CRIU cannot use fails the dump). In CMD's process,
- * as the last steps before exec: the bounding and ambient capability sets are emptied,
- * the groups, gid and uid set (real, effective and saved), the remaining capability
- * sets (inheritable included) cleared, the working directory changed to DIR with the
- * user's permissions, and no_new_privs set, so that no setuid or file-capability
- * program gives any of it back. Any step that fails stops the launch (exit 127).
+ * --user UID --gid GID [--groups G1,G2,...] [--cwd DIR]: the init and the kernel (CMD)
+ * run as that user; the watcher (outside the dumped tree) stays root. The init builds
+ * the namespace, its /proc and its mounts as root, enters --chdir DIR (root's), and only
+ * then, before it forks CMD, drops: the bounding and ambient capability sets are
+ * emptied, the groups, gid and uid set (real, effective and saved), the remaining
+ * capability sets (inheritable included) cleared and no_new_privs set, so that no
+ * setuid or file-capability program gives any of it back. CMD inherits that and enters
+ * --cwd DIR with the user's permissions. Every task of the tree CRIU dumps is then the
+ * user's: a CRIU whose real uid and gid are the user's can read their resource limits
+ * (prlimit) without CAP_SYS_RESOURCE, which root lacks in some containers. Any step
+ * that fails stops the launch (exit 127).
  *
  * --pid-base N --pid-helper PATH (without --pidns): before forking the init, run
  * PATH N (cedana-pidbase, which holds cap_checkpoint_restore) to move the PID cursor to N
@@ -399,7 +402,9 @@ static void parse_groups(struct user *u, const char *list)
 	free(copy);
 }
 
-/* CMD's process becomes the user's, with no capability of any kind; see --user. */
+/* The calling process becomes the user's, with no capability of any kind; see --user.
+ * The init calls it once everything that needs root inside the namespace is done, so
+ * that the kernel it forks inherits all of it. */
 static void drop_to_user(const struct user *u)
 {
 	if (prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0) < 0)
@@ -420,8 +425,6 @@ static void drop_to_user(const struct user *u)
 	memset(data, 0, sizeof(data));
 	if (syscall(SYS_capset, &hdr, data) < 0)
 		die("clear capabilities");
-	if (u->cwd && chdir(u->cwd) < 0)
-		die(u->cwd);
 	if (prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) < 0)
 		die("prctl(PR_SET_NO_NEW_PRIVS)");
 	uid_t r, e, s;
@@ -439,14 +442,33 @@ static int run_init(char **argv, const sigset_t *set, int chdir_fd, const struct
 	if (getpid() != 1 && prctl(PR_SET_CHILD_SUBREAPER, 1) < 0)
 		die("prctl(PR_SET_CHILD_SUBREAPER)");
 	unsetenv("JPY_PARENT_PID");
+	/* With --user the kernel starts in --cwd (or where the init started), entered
+	 * with the user's permissions; the init's own directory (--chdir) is root's and is
+	 * entered before the drop. */
+	char start_dir[PATH_MAX];
+	if (user->set) {
+		if (!user->cwd && !getcwd(start_dir, sizeof(start_dir)))
+			die("getcwd");
+		if (chdir_fd >= 0) {
+			if (fchdir(chdir_fd) < 0)
+				die("--chdir");
+			close(chdir_fd);
+			chdir_fd = -1;
+		}
+		/* The init is the root of the tree CRIU dumps: every task in it is the
+		 * user's, so that a CRIU whose real ids are the user's may read the
+		 * resource limits of all of them without CAP_SYS_RESOURCE. It sets no
+		 * parent-death signal (a credential change would clear one anyway). */
+		drop_to_user(user);
+	}
 	pid_t kernel = fork();
 	if (kernel < 0)
 		die("fork");
 	if (kernel == 0) {
 		setpgid(0, 0);
 		reset_signals();
-		if (user->set)
-			drop_to_user(user);
+		if (user->set && chdir(user->cwd ? user->cwd : start_dir) < 0)
+			die(user->cwd ? user->cwd : start_dir);
 		execvp(argv[0], argv);
 		die(argv[0]);
 	}

@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import signal
+import stat
 import subprocess
 from pathlib import Path
 from typing import Any, cast
@@ -51,7 +52,8 @@ def _kernel_id(args: dict[str, Any]) -> str:
 
 def load_settings(state_dir: Path) -> tuple[CriuSettings, int]:
     """The administrator's settings: `<state>/checkpoint.json` (root's, like the state
-    directory), keys criu_path, plugin_dir, quota_bytes; defaults otherwise."""
+    directory), keys criu_path, plugin_dir, quota_bytes, dump_timeout; defaults
+    otherwise."""
     path = state_dir / CONFIG_NAME
     data: dict[str, Any] = {}
     if path.exists():
@@ -64,6 +66,7 @@ def load_settings(state_dir: Path) -> tuple[CriuSettings, int]:
         state_dir=str(state_dir),
         criu_path=str(data.get("criu_path", defaults.criu_path)),
         plugin_dir=str(data.get("plugin_dir", defaults.plugin_dir)),
+        dump_timeout=float(data.get("dump_timeout", defaults.dump_timeout)),
     )
     return settings, int(data.get("quota_bytes", DEFAULT_QUOTA))
 
@@ -91,16 +94,27 @@ def proc_creds(pid: int) -> dict[str, str]:
     with open(f"/proc/{pid}/status") as f:
         for line in f:
             key, _, value = line.partition(":")
-            if key in ("Uid", "Gid", "CapInh", "CapPrm", "CapEff", "CapAmb", "NoNewPrivs"):
+            if key in (
+                "Uid",
+                "Gid",
+                "CapInh",
+                "CapPrm",
+                "CapEff",
+                "CapBnd",
+                "CapAmb",
+                "NoNewPrivs",
+            ):
                 out[key] = value.strip()
     return out
 
 
 def check_running_as(pid: int, uid: int, gid: int) -> None:
-    """Raise unless `pid` runs as uid/gid everywhere, with no capabilities, no_new_privs."""
+    """Raise unless `pid` runs as uid/gid everywhere, with no capabilities (bounding set
+    included), no_new_privs."""
     c = proc_creds(pid)
     ids_ok = c["Uid"].split() == [str(uid)] * 4 and c["Gid"].split() == [str(gid)] * 4
-    caps_ok = all(int(c[k], 16) == 0 for k in ("CapInh", "CapPrm", "CapEff", "CapAmb"))
+    caps = ("CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb")
+    caps_ok = all(int(c[k], 16) == 0 for k in caps)
     if not (ids_ok and caps_ok and c.get("NoNewPrivs") == "1"):
         raise ImageRefused(f"restored task {pid} runs with {c}")
 
@@ -127,6 +141,12 @@ class CheckpointOps:
         except CedanaError as e:
             raise AgentError("failed", e.message) from e
 
+    def _ensure_kdat(self) -> None:
+        try:
+            self.engine.ensure_kdat_cache()
+        except (OSError, subprocess.SubprocessError, CedanaError) as e:
+            raise AgentError("failed", f"CRIU's kernel-feature cache cannot be written: {e}") from e
+
     async def op_dump(self, caller: Caller, args: dict[str, Any], _: Progress) -> dict[str, Any]:
         kid = _kernel_id(args)
         record = self.kernels.lookup(caller.uid, kid)
@@ -137,12 +157,14 @@ class CheckpointOps:
                 # Its memory is still coming in from the last image.
                 raise AgentError("busy", f"kernel {kid} is still loading its memory; try later")
             self._require()
+            if record.uid != 0:
+                await asyncio.to_thread(self._ensure_kdat)
             store = self.store.for_uid(caller.uid)
             record.state = State.dumping
             pid = record.init_pid
             tmp = store.begin(kid)
             try:
-                dumped = await self.engine.dump(pid, tmp)
+                dumped = await self.engine.dump(pid, tmp, owner=(record.uid, record.gid))
                 self.store.check_quota(caller.uid, kid, dir_bytes(tmp))
 
                 def commit() -> dict[str, Any]:
@@ -323,8 +345,9 @@ class CheckpointOps:
             pid = await self.engine.wait_restored(proc, work, pidfile)
             tasks = await _stopped_tree(pid)
             if uid != 0:
-                # CRIU set the ids and capabilities from the image: see they are right.
-                for task in tasks - {pid}:
+                # CRIU set the ids and capabilities from the image: see they are right,
+                # the init's as well (it is the user's too).
+                for task in tasks:
                     check_running_as(task, uid, gid)
             for task in tasks:
                 with contextlib.suppress(ProcessLookupError):
@@ -384,6 +407,11 @@ async def _output_pipes(init_pid: int) -> list[asyncio.StreamReader]:
                 rfd = os.open(link, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
             except OSError:
                 continue
+            # The task may have put something else there since readlink; only a pipe
+            # is read (root's open of anything else would read what the user cannot).
+            if not stat.S_ISFIFO(os.fstat(rfd).st_mode):
+                os.close(rfd)
+                continue
             seen.add(target)
             reader = asyncio.StreamReader()
             pipe = os.fdopen(rfd, "rb", buffering=0)
@@ -423,4 +451,15 @@ def register(service: Service) -> None:
     settings, quota = load_settings(service.state_dir)
     # CRIU inherits the agent's working directory during a restore: root's "/".
     os.chdir("/")
-    CheckpointOps(service, settings, quota).register(service)
+    ops = CheckpointOps(service, settings, quota)
+    try:
+        # A dump of a user's kernel needs it (criu.py); a cache from before a kernel
+        # upgrade would describe another kernel, so it is made anew at every start.
+        ops.engine.install_kdat_cache()
+    except (OSError, subprocess.SubprocessError, CedanaError) as e:
+        _log.warning(
+            "CRIU's kernel-feature cache was not written (%s): dumps of "
+            "non-root callers' kernels may fail",
+            e,
+        )
+    ops.register(service)

@@ -22,6 +22,14 @@ whoever controls it. So the agent's CRIU gets:
 CRIU running as root keeps its kernel-feature cache in /run/criu.kdat, a path compiled
 into it (`--unprivileged` would move it to `$XDG_RUNTIME_DIR`, which the agent never
 uses); the agent refuses a cache file there that root does not own.
+
+A dump of a non-root caller's kernel runs CRIU with that caller's real uid and gid and
+root's effective ids (all capabilities kept), through setpriv: the kernel lets a process
+read the resource limits (prlimit) of a task whose ids all equal its real ids without
+CAP_SYS_RESOURCE, which root lacks in some containers, and every task of the dumped tree
+is the caller's (cedana-init --user). Such a CRIU needs its kernel-feature cache (its
+nftables probe fails under that real uid), which CRIU saves only on a tmpfs: the agent
+writes a fresh one at every start (install_kdat_cache).
 """
 
 from __future__ import annotations
@@ -30,6 +38,8 @@ import os
 import re
 import stat
 import subprocess
+import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,6 +54,29 @@ FIXED_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 KDAT = "/run/criu.kdat"
 _PACKAGE = Path(__file__).resolve().parent.parent
 PACKAGE_PLUGIN_DIR = _PACKAGE / "criu_plugins"  # holds no .so: CRIU loads nothing
+
+
+# Run by the agent's own interpreter (-I -S: no user site, no PYTHON* variables) in a
+# child: argv criu_path, plugin_dir, the descriptor to write the cache to.
+_KDAT_SCRIPT = """
+import ctypes, os, subprocess, sys
+libc = ctypes.CDLL(None, use_errno=True)
+def ok(rc, what):
+    if rc != 0:
+        sys.exit(what + ": " + os.strerror(ctypes.get_errno()))
+ok(libc.unshare(0x00020000), "unshare(CLONE_NEWNS)")
+ok(libc.mount(b"none", b"/", None, 0x4000 | 0x40000, None), "make mounts private")
+ok(libc.mount(b"none", b"/run", b"tmpfs", 2 | 4 | 8, b"mode=0700"), "tmpfs on /run")
+r = subprocess.run([sys.argv[1], "--no-default-config", "--libdir", sys.argv[2], "check"],
+                   cwd="/", stdin=subprocess.DEVNULL, capture_output=True)
+try:
+    data = open("/run/criu.kdat", "rb").read()
+except OSError as e:
+    sys.exit("criu check left no cache (%s): %s" % (e, (r.stdout + r.stderr)[-300:]))
+out = int(sys.argv[3])
+while data:
+    data = data[os.write(out, data):]
+"""
 
 
 class UnsafeSetup(EngineUnavailable):
@@ -101,6 +134,7 @@ class CriuSettings:
     plugin_dir: str = str(PACKAGE_PLUGIN_DIR)
     init_path: str = str(_PACKAGE / "bin" / "cedana-init")
     pages_path: str = str(_PACKAGE / "bin" / "cedana-pages")
+    setpriv_path: str = "/usr/bin/setpriv"
     dump_timeout: float = 600.0
     restore_timeout: float = 600.0
     lazy_restore: bool = True
@@ -144,9 +178,14 @@ class AgentEngine(CheckpointEngine):
         check_root_only(s.state_dir, "state directory", is_dir=True)
         if stat.S_IMODE(os.stat(s.state_dir).st_mode) & 0o077:
             raise UnsafeSetup(f"The agent's state directory {s.state_dir} must be mode 0700")
+        self._check_criu()
+
+    def _check_criu(self) -> None:
+        s = self.settings
         check_root_only(s.criu_path, "criu binary", is_dir=False)
         check_root_only(s.init_path, "cedana-init binary", is_dir=False)
         check_root_only(s.pages_path, "cedana-pages binary", is_dir=False)
+        check_root_only(s.setpriv_path, "setpriv binary", is_dir=False)
         plugins = check_root_only(s.plugin_dir, "CRIU plugin directory", is_dir=True)
         for entry in sorted(os.listdir(plugins)):
             if entry.endswith(".so"):
@@ -167,6 +206,64 @@ class AgentEngine(CheckpointEngine):
 
     def base_args(self, info: EngineInfo) -> list[str]:
         return [info.criu_path or self.settings.criu_path, "--no-default-config"]
+
+    def dump_command_prefix(self, owner: tuple[int, int] | None) -> list[str]:
+        """A user's tree is dumped by a CRIU whose real uid and gid are the user's
+        (effective ids root's, capabilities kept); see the module's docstring. The user
+        may signal that CRIU (kill(2) compares real uids), which can only fail their own
+        dump: the dump's timeout ends a stopped one, and its tree is continued."""
+        if owner is None or owner[0] == 0:
+            return []
+        uid, gid = owner
+        return [
+            self.settings.setpriv_path,
+            f"--ruid={uid}",
+            f"--rgid={gid}",
+            "--clear-groups",
+            "--",
+        ]
+
+    def ensure_kdat_cache(self) -> None:
+        """Write the cache if it is missing (removed since the agent started)."""
+        if not os.path.lexists(KDAT):
+            self.install_kdat_cache()
+
+    def install_kdat_cache(self) -> None:
+        """Write a fresh kernel-feature cache to /run/criu.kdat (root's, 0600), made by
+        `criu check` in a private mount namespace with a tmpfs on /run (CRIU saves its
+        cache on a tmpfs only), then renamed into place. CRIU loads any cache it finds
+        without checking that it is still this kernel's; written at every start of the
+        agent, it is. Made before the state directory exists: it needs only CRIU."""
+        self._check_criu()
+        run = check_root_only(os.path.dirname(KDAT), "cache directory", is_dir=True)
+        fd, tmp = tempfile.mkstemp(dir=run, prefix=".criu.kdat.agent.")
+        try:
+            out = subprocess.run(
+                [
+                    sys.executable,
+                    *("-I", "-S", "-c", _KDAT_SCRIPT),
+                    *(self.settings.criu_path, self.settings.plugin_dir, str(fd)),
+                ],
+                pass_fds=(fd,),
+                capture_output=True,
+                text=True,
+                timeout=120,
+                env=self.criu_env(),
+                cwd="/",
+            )
+            if out.returncode != 0:
+                raise EngineUnavailable(
+                    f"cannot make CRIU's kernel-feature cache: {(out.stderr or out.stdout)[-300:]}"
+                )
+            os.fsync(fd)
+            os.close(fd)
+            fd = -1
+            os.rename(tmp, KDAT)
+        except BaseException:
+            if fd >= 0:
+                os.close(fd)
+            os.unlink(tmp)
+            raise
 
     def probe(self, refresh: bool = False) -> EngineInfo:
         if self._info is not None and not refresh:

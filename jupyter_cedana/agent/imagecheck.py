@@ -28,7 +28,7 @@ _CORE_THREAD = 5
 _MM_EXE_FILE_ID = 12
 _THREAD_CREDS = 10
 _IDS = {"uid": 1, "gid": 2, "euid": 3, "egid": 4, "suid": 5, "sgid": 6, "fsuid": 7, "fsgid": 8}
-_CAPS = {"inheritable": 9, "permitted": 10, "effective": 11, "ambient": 19}
+_CAPS = {"inheritable": 9, "permitted": 10, "effective": 11, "bounding": 12, "ambient": 19}
 _GROUPS = 14
 _NO_NEW_PRIVS = 18
 _CORE_RE = re.compile(r"core-(\d+)\.img")
@@ -134,27 +134,21 @@ def root_exe(images: Path) -> tuple[int, str]:
 def verify_owner(
     images: Path, uid: int, gid: int, groups: tuple[int, ...], init_path: str
 ) -> list[TaskCreds]:
-    """Raise ImageRefused unless the image's tree is the agent's init (`init_path`, root,
-    as launched) over tasks that all have exactly these user and group ids (real,
-    effective, saved, file system), these supplementary groups, every capability set
-    (inheritable, permitted, effective, ambient) empty and no_new_privs set; and any user
-    namespace in it maps ids to themselves. A root caller's tasks need only be root's."""
+    """Raise ImageRefused unless the image's tree is rooted at the agent's init
+    (`init_path`) and every task of it, the init included (cedana-init --user drops it to
+    the user too), has exactly these user and group ids (real, effective, saved, file
+    system), these supplementary groups, every capability set (inheritable, permitted,
+    effective, bounding, ambient) empty and no_new_privs set; and any user namespace in
+    it maps ids to themselves. A root caller's tasks need only be root's."""
     if any(images.glob("creds-*.img")):
         # The pre-3.x layout, which CRIU still reads: not one the agent writes.
         raise ImageRefused("the image holds creds-*.img files (an old CRIU layout)")
-    root, exe = root_exe(images)
+    _, exe = root_exe(images)
     if exe != init_path:
         raise ImageRefused(f"the image's init runs {exe or 'an unknown file'}, not {init_path}")
     tasks = task_creds(images)
     want = sorted(set(groups))
     for t in tasks:
-        if t.tid == root:
-            # cedana-init, PID 1 of the kernel's namespace, stays root to reap and forward
-            # signals; its code is the agent's binary (checked above), its memory the
-            # agent's own dump.
-            if any(t.ids.values()):
-                raise ImageRefused(f"the image's init would be restored as {t.ids}, not root")
-            continue
         if uid == 0:
             if any(t.ids.values()):
                 raise ImageRefused(f"task {t.tid} would be restored with ids {t.ids}, not root")

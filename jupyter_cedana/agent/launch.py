@@ -1,11 +1,13 @@
 """Launching a kernel for a caller, and the ops on a launched kernel's process.
 
-The kernel runs under cedana-init in its own PID and mount namespace, built as root, and
-the kernel's own process drops to the caller's uid, gid and groups (from the databases,
-never from the request), loses every capability and sets no_new_privs as the last steps
-before exec (cedana-init --user). Root CRIU can dump such a tree; a tree whose namespace
-the user built could not be dumped by it, and one the user could build with capabilities
-would make the user root.
+The kernel runs under cedana-init in its own PID and mount namespace, built as root;
+then the namespace's init drops to the caller's uid, gid and groups (from the databases,
+never from the request), loses every capability and sets no_new_privs before it forks
+the kernel, which inherits all of it (cedana-init --user). The whole tree CRIU dumps is
+then the caller's, which lets a CRIU with the caller's real ids read its rlimits where
+root lacks CAP_SYS_RESOURCE (criu.py). A tree whose namespace the user built could not be
+dumped by root CRIU, and one the user could build with capabilities would make the user
+root.
 
 The kernel is the agent's child, not the server's: a server that dies leaves it running,
 and a new server of the same uid finds it with `list`.
@@ -181,7 +183,7 @@ class Launcher:
         process = await asyncio.create_subprocess_exec(
             *cmd,
             stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE,
+            stdout=record.output_target(),
             stderr=asyncio.subprocess.STDOUT,
             env=env,
             cwd=record.cwd if record.uid == 0 else "/",
@@ -198,7 +200,7 @@ class Launcher:
 
     async def op_poll(self, caller: Caller, args: dict[str, Any], _: Progress) -> dict[str, Any]:
         record = self.kernels.lookup(caller.uid, protocol.kernel_id(args))
-        return {"returncode": record.returncode, "state": record.state.value}
+        return record.status()
 
     async def op_signal(self, caller: Caller, args: dict[str, Any], _: Progress) -> dict[str, Any]:
         record = self.kernels.lookup(caller.uid, protocol.kernel_id(args))

@@ -10,9 +10,10 @@ import textwrap
 import time
 from pathlib import Path
 
+from jupyter_cedana.proctree import process_tree
+
 from . import test_launch
-from .checkpoint_fixtures import needs_sys_resource
-from .conftest import Agent
+from .conftest import USER_PYTHON, Agent
 from .test_launch import Kernel, assert_dropped, kernel_pid_of, launch, status_of
 
 kernels = test_launch.kernels  # the fixture: kernels launched here, closed after
@@ -81,20 +82,145 @@ def test_root_kernel_lazy_restore(agent: Agent, kernels: list[Kernel]) -> None:
         time.sleep(0.2)
 
 
-@needs_sys_resource
+def host_tree_status(init_pid: int) -> dict[int, dict[str, str]]:
+    """/proc/TID/status of every task (thread) of the tree rooted at `init_pid`."""
+    out = {}
+    for pid in process_tree(init_pid):
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            out[int(tid)] = status_of(Path(f"/proc/{pid}/task/{tid}/status").read_text())
+    return out
+
+
+# From a cell: every task of the kernel's PID namespace, as its own /proc shows them.
+TREE_FROM_INSIDE = """
+import json, os
+out = {}
+for p in filter(str.isdigit, os.listdir("/proc")):
+    for t in os.listdir(f"/proc/{p}/task"):
+        out[t] = open(f"/proc/{p}/task/{t}/status").read()
+print(json.dumps(out))
+"""
+
+
+def assert_whole_tree_is(kernel: Kernel, init_pid: int, uid: int, gid: int) -> None:
+    """Every task of the kernel's tree, its init included, runs as uid/gid with no
+    capability in any set and no_new_privs: from the host's /proc and from notebook code."""
+    host = host_tree_status(init_pid)
+    assert init_pid in host and len(host) >= 2, host.keys()
+    # The init dropped its ids without an exec after: not dumpable, so its /proc files
+    # are root's and the kernel cannot ptrace it.
+    assert os.stat(f"/proc/{init_pid}/environ").st_uid == 0
+    for status in host.values():
+        assert_dropped(status, uid, gid)
+    inside = {
+        int(t): status_of(text) for t, text in json.loads(kernel.run(TREE_FROM_INSIDE)).items()
+    }
+    assert 1 in inside and len(inside) == len(host), (inside.keys(), host.keys())
+    for status in inside.values():
+        assert_dropped(status, uid, gid)
+
+
 def test_user_kernel_dump_restore_as_the_user(agent: Agent, kernels: list[Kernel]) -> None:
-    kernel, _ = launch(agent, kernels, "cedana-test")
+    """Where root lacks CAP_SYS_RESOURCE too: the agent's CRIU dumps with the user's real
+    ids a tree that is all the user's."""
+    kernel, init_pid = launch(agent, kernels, "cedana-test")
     kernel.run("state = [41]")
+    assert_whole_tree_is(kernel, init_pid, 1001, 1001)
     reply = agent.run_as("cedana-test", "dump", {"kernel_id": kernel.id})
     assert reply["ok"], reply
+    assert not Path(f"/proc/{init_pid}").exists()
     reply = agent.run_as("cedana-test", "restore", {"kernel_id": kernel.id, "lazy": False})
     assert reply["ok"], reply
     reconnect(kernel)
     assert kernel.run("print(state[0] + 1)").strip() == "42"
     pid = kernel_pid_of(reply["result"]["pid"])
     assert_dropped(status_of(Path(f"/proc/{pid}/status").read_text()), 1001, 1001)
-    inside = kernel.run("print(open('/proc/self/status').read())")
-    assert_dropped(status_of(inside), 1001, 1001)
+    assert_whole_tree_is(kernel, reply["result"]["pid"], 1001, 1001)
+    assert agent.run_as("cedana-test", "images")["result"]["images"] == []
+
+
+def test_user_kernel_lazy_restore(agent: Agent, kernels: list[Kernel]) -> None:
+    kernel, _ = launch(agent, kernels, "cedana-test")
+    kernel.run(
+        "import hashlib; big = bytearray(range(256)) * (1 << 16); "
+        "digest = hashlib.sha256(big).hexdigest()"
+    )
+    assert agent.run_as("cedana-test", "dump", {"kernel_id": kernel.id})["ok"]
+    reply = agent.run_as("cedana-test", "restore", {"kernel_id": kernel.id, "lazy": True})
+    assert reply["ok"], reply
+    assert reply["result"]["lazy"] is True
+    reconnect(kernel)
+    assert kernel.run("print(hashlib.sha256(big).hexdigest() == digest, len(big))").split() == [
+        "True",
+        str(1 << 24),
+    ]
+    assert_whole_tree_is(kernel, reply["result"]["pid"], 1001, 1001)
+    deadline = time.monotonic() + 60
+    while agent.run_as("cedana-test", "images")["result"]["images"]:
+        assert time.monotonic() < deadline, "the image outlived the lazy restore"
+        time.sleep(0.2)
+
+
+# Run as cedana-test2 with cedana-test's pids: what it could do to each of them.
+OTHER_USER_PROBE = """
+import json, os, sys
+out = {}
+for p in map(int, sys.argv[1:]):
+    try:
+        os.kill(p, 0)
+        out[p] = "signal"
+    except PermissionError:
+        pass
+    for name in ("environ", "mem"):
+        try:
+            open(f"/proc/{p}/{name}", "rb").read(1)
+            out[p] = name
+        except PermissionError:
+            pass
+    try:
+        os.listdir(f"/proc/{p}/cwd")
+        out[p] = "cwd"
+    except PermissionError:
+        pass
+print(json.dumps(out))
+"""
+
+
+def test_another_user_cannot_touch_a_user_kernel_or_its_image(
+    agent: Agent, kernels: list[Kernel]
+) -> None:
+    """cedana-test2 can neither act on cedana-test's dumped kernel through the agent nor
+    signal or read the processes of it once restored."""
+    kernel, _ = launch(agent, kernels, "cedana-test")
+    kernel.run("secret = 'x' * 7")
+    assert agent.run_as("cedana-test", "dump", {"kernel_id": kernel.id})["ok"]
+    for op in ("restore", "discard", "dump"):
+        reply = agent.run_as("cedana-test2", op, {"kernel_id": kernel.id})
+        assert reply["error"]["code"] == "not_found", (op, reply)
+    assert agent.run_as("cedana-test2", "images")["result"]["images"] == []
+    reply = agent.run_as("cedana-test", "restore", {"kernel_id": kernel.id})
+    assert reply["ok"], reply
+    tree = sorted(process_tree(reply["result"]["pid"]))
+    out = subprocess.run(
+        [
+            "runuser",
+            "-u",
+            "cedana-test2",
+            "--",
+            USER_PYTHON,
+            "-c",
+            OTHER_USER_PROBE,
+            *map(str, tree),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd="/",
+    )
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout) == {}
+    reconnect(kernel)
+    assert kernel.run("print(secret)").strip() == "x" * 7
 
 
 def test_another_user_gets_not_found(agent: Agent, kernels: list[Kernel]) -> None:
