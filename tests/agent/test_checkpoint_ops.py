@@ -10,6 +10,7 @@ import textwrap
 import time
 from pathlib import Path
 
+from jupyter_cedana.agent.imagecheck import root_exe, task_creds
 from jupyter_cedana.proctree import process_tree
 
 from . import test_launch
@@ -129,6 +130,13 @@ def test_user_kernel_dump_restore_as_the_user(agent: Agent, kernels: list[Kernel
     reply = agent.run_as("cedana-test", "dump", {"kernel_id": kernel.id})
     assert reply["ok"], reply
     assert not Path(f"/proc/{init_pid}").exists()
+    # What the image check reads: the init's credentials are the user's as well.
+    images = agent.state_dir / "images" / "1001" / kernel.id
+    root, _ = root_exe(images)
+    init = next(t for t in task_creds(images) if t.tid == root)
+    assert set(init.ids.values()) == {1001} and init.no_new_privs == 1
+    assert init.caps.keys() >= {"bounding", "permitted"}
+    assert not any(any(words) for words in init.caps.values()), init.caps
     reply = agent.run_as("cedana-test", "restore", {"kernel_id": kernel.id, "lazy": False})
     assert reply["ok"], reply
     reconnect(kernel)
