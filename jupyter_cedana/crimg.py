@@ -83,7 +83,7 @@ def decode(message: bytes) -> Fields:
     return fields
 
 
-def _spans(data: bytes, name: str) -> list[tuple[int, int]]:
+def field_spans(data: bytes, name: str) -> list[tuple[int, int]]:
     """[start, end) of each protobuf record in the bytes of a CRIU image file."""
     if len(data) < 8:
         raise ImageError(f"{name} is too short")
@@ -104,10 +104,10 @@ def _spans(data: bytes, name: str) -> list[tuple[int, int]]:
 def records(path: Path) -> list[bytes]:
     """The protobuf records of a CRIU image file."""
     data = path.read_bytes()
-    return [data[start:end] for start, end in _spans(data, path.name)]
+    return [data[start:end] for start, end in field_spans(data, path.name)]
 
 
-def _int(fields: Fields, number: int, default: int = 0) -> int:
+def int_field(fields: Fields, number: int, default: int = 0) -> int:
     values = fields.get(number)
     value = values[-1] if values else default
     if not isinstance(value, int):
@@ -117,7 +117,7 @@ def _int(fields: Fields, number: int, default: int = 0) -> int:
 
 def pids(images: Path) -> list[int]:
     """The processes of the dumped tree, as the image numbers them (its own PID namespace)."""
-    return [_int(decode(r), 1) for r in records(images / "pstree.img")]
+    return [int_field(decode(r), 1) for r in records(images / "pstree.img")]
 
 
 @dataclass(frozen=True)
@@ -142,8 +142,16 @@ def areas(images: Path, pid: int) -> list[Area]:
         if not isinstance(raw, bytes):
             raise ImageError("vma entry is not a message")
         vma = decode(raw)
-        private_file = bool(_int(vma, 7) & VMA_FILE_PRIVATE)
-        out.append(Area(_int(vma, 1), _int(vma, 2), _int(vma, 3), _int(vma, 4), private_file))
+        private_file = bool(int_field(vma, 7) & VMA_FILE_PRIVATE)
+        out.append(
+            Area(
+                int_field(vma, 1),
+                int_field(vma, 2),
+                int_field(vma, 3),
+                int_field(vma, 4),
+                private_file,
+            )
+        )
     return sorted(out, key=lambda a: a.start)
 
 
@@ -158,11 +166,11 @@ def regular_files(images: Path) -> dict[int, str]:
     for rec in recs:
         entry = decode(rec)
         reg = entry.get(3)
-        if _int(entry, 1) != _FD_REG or not reg or not isinstance(reg[0], bytes):
+        if int_field(entry, 1) != _FD_REG or not reg or not isinstance(reg[0], bytes):
             continue
         name = decode(reg[0]).get(6)
         if name and isinstance(name[0], bytes):
-            paths[_int(entry, 2)] = name[0].decode(errors="surrogateescape")
+            paths[int_field(entry, 2)] = name[0].decode(errors="surrogateescape")
     return paths
 
 
@@ -196,18 +204,18 @@ def pagemap(images: Path, pid: int) -> list[PageRun]:
     ~1 MiB: thousands for a kernel of a few GB) come back as one run."""
     path = images / f"pagemap-{pid}.img"
     data = path.read_bytes()
-    spans = _spans(data, path.name)
+    spans = field_spans(data, path.name)
     if not spans:
         return []
     head = data[spans[0][0] : spans[0][1]]
-    pages_file = f"pages-{_int(decode(head), 1)}.img"
+    pages_file = f"pages-{int_field(decode(head), 1)}.img"
     runs = []
     offset = 0
     vaddr = pages = flags = -1  # the run being extended
     start = 0  # its offset
     for lo, hi in spans[1:]:
         try:
-            v, n, f = _pagemap_entry(data, lo, hi)
+            v, n, f = read_pagemap_entry(data, lo, hi)
         except IndexError:  # a varint running past the file
             raise ImageError("truncated pagemap entry") from None
         if f == flags and v == vaddr + pages * PAGE_SIZE:
@@ -223,7 +231,7 @@ def pagemap(images: Path, pid: int) -> list[PageRun]:
     return runs
 
 
-def _pagemap_entry(data: bytes, pos: int, end: int) -> tuple[int, int, int]:
+def read_pagemap_entry(data: bytes, pos: int, end: int) -> tuple[int, int, int]:
     """(vaddr, pages, flags) of the pagemap_entry in data[pos:end]: all its fields are
     varints, so this reads them in one pass."""
     vaddr = nr_pages = in_parent = flags = pages = 0
@@ -284,7 +292,9 @@ def dump_stats(images: Path) -> dict[str, int]:
     if not dump or not isinstance(dump[0], bytes):
         return {}
     fields = decode(dump[0])
-    return {name: _int(fields, number) for number, name in DUMP_STATS.items() if number in fields}
+    return {
+        name: int_field(fields, number) for number, name in DUMP_STATS.items() if number in fields
+    }
 
 
 def dump_breakdown(images: Path) -> dict[str, float]:
@@ -305,14 +315,14 @@ def _lazy_areas(images: Path, pid: int) -> list[tuple[int, int]]:
         if not isinstance(raw, bytes):
             raise ImageError("vma entry is not a message")
         vma = decode(raw)
-        flags, status = _int(vma, 6), _int(vma, 7)
+        flags, status = int_field(vma, 6), int_field(vma, 7)
         private_anon = flags & _MAP_PRIVATE and flags & _MAP_ANONYMOUS
         regular = status & VMA_AREA_REGULAR and status & VMA_ANON_PRIVATE
         special = flags & (_MAP_LOCKED | _MAP_HUGETLB) or status & (
             VMA_AREA_VDSO | VMA_AREA_VSYSCALL
         )
         if private_anon and regular and not special:
-            out.append((_int(vma, 1), _int(vma, 2)))
+            out.append((int_field(vma, 1), int_field(vma, 2)))
     return sorted(out)
 
 
@@ -328,7 +338,7 @@ def varint_bytes(value: int) -> bytes:
         out.append(byte | 0x80)
 
 
-def _pagemap_record(vaddr: int, pages: int, flags: int, wide: bool) -> bytes:
+def pagemap_record(vaddr: int, pages: int, flags: int, wide: bool) -> bytes:
     """A pagemap_entry as CRIU writes it: `wide` (CRIU 4) with nr_pages 0 and the count
     in the 64-bit `pages`, else in nr_pages."""
     count = b"\x10\x00" + b"\x20" + varint_bytes(flags) + b"\x28" + varint_bytes(pages)
@@ -350,9 +360,9 @@ def mark_lazy(images: Path) -> int:
     for pid in pids(images):
         path = images / f"pagemap-{pid}.img"
         data = path.read_bytes()
-        spans = _spans(data, path.name)[1:]  # the first is the head (the page file's id)
+        spans = field_spans(data, path.name)[1:]  # the first is the head (the page file's id)
         # Marked at all: as CRIU meant (the first lazy entry comes within a few).
-        if any(_pagemap_entry(data, lo, hi)[2] & PE_LAZY for lo, hi in spans):
+        if any(read_pagemap_entry(data, lo, hi)[2] & PE_LAZY for lo, hi in spans):
             continue
         fields = {frozenset(decode(data[lo:hi])) for lo, hi in spans}
         if not fields <= {frozenset({1, 2, 4}), frozenset({1, 2, 4, 5})}:
@@ -362,7 +372,7 @@ def mark_lazy(images: Path) -> int:
         out = [data[:head]]
         count = 0
         for lo, hi in spans:
-            vaddr, pages, flags = _pagemap_entry(data, lo, hi)
+            vaddr, pages, flags = read_pagemap_entry(data, lo, hi)
             wide = 5 in decode(data[lo:hi])
             count += _split_lazy(out, vaddr, vaddr + pages * PAGE_SIZE, flags, areas, wide)
         if count:
@@ -392,7 +402,7 @@ def _split_lazy(
         else:
             end, lazy = (min(hi, areas[i][0]) if i < len(areas) else hi), False
         pages = (end - lo) // PAGE_SIZE
-        out.append(_pagemap_record(lo, pages, flags | PE_LAZY if lazy else flags, wide))
+        out.append(pagemap_record(lo, pages, flags | PE_LAZY if lazy else flags, wide))
         marked += pages if lazy else 0
         lo = end
     return marked

@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from .capture import ImageCapture
 from .errors import SuspendFailed
@@ -20,10 +20,22 @@ from .incremental import DeltaResult, PageIndex
 from .integrity import FollowingHasher
 from .procmount import MOUNT_NS_ARGS, own_mount_ns
 
-if TYPE_CHECKING:
-    from .engine import CheckpointEngine
-
 ProgressCallback = Callable[[str, int | None, int | None], None]
+
+
+class DumpSettings(Protocol):
+    """What a dump reads of the engine (engine.CheckpointEngine), declared here so that
+    the engine depends on this module and not the other way round."""
+
+    stream_dump: bool
+    direct_image_writes: bool
+    ghost_limit: int
+    dump_timeout: float
+    extra_dump_args: list[str]
+    log: Any
+
+    def plugin_dir(self) -> str: ...
+    def criu_env(self) -> dict[str, str] | None: ...
 
 
 @dataclass
@@ -130,12 +142,12 @@ def _exit_status(returncode: int) -> str:
 
 
 async def criu_dump(
-    engine: CheckpointEngine,
+    engine: DumpSettings,
+    criu: list[str],
     pid: int,
     images: Path,
     progress: ProgressCallback | None = None,
     base: PageIndex | None = None,
-    owner: tuple[int, int] | None = None,
 ) -> DumpResult:
     """Dump the tree rooted at `pid` into `images`, leaving it stopped (not killed).
 
@@ -143,15 +155,14 @@ async def criu_dump(
     if anything after the dump fails: the kernel then runs on exactly as before.
     Returns the seconds CRIU took and the (size, chunk CRCs) of the page files, hashed
     while CRIU wrote them (with their zero chunks made holes). On a `base` (streaming
-    only), the image written is a delta on it (incremental.py). `owner` (uid, gid) of
-    the tree goes to the engine's dump_command_prefix.
+    only), the image written is a delta on it (incremental.py). `criu` is how CRIU is
+    started (the engine's choice: its binary and options, and for the agent the owner's
+    real ids), before the `dump` command.
     """
-    info = engine.require()
     expected = tree_rss(pid)
     stream = engine.stream_dump
     cmd = [
-        *engine.dump_command_prefix(owner),
-        *engine.base_args(info),
+        *criu,
         "dump",
         # An explicit plugin directory: a distribution's cuda_plugin.so would otherwise
         # checkpoint, and at restore restore and unlock, the GPU state by itself.
@@ -232,8 +243,8 @@ async def criu_dump(
             why = f"writing the image failed: {written}"
             # What CRIU adds, if anything; on a full disk, nothing: it failed for lack of
             # its pipes, and its log there is cut short, even mid-line.
-            if rc > 0 and not full and (criu := criu_reasons(images / "dump.log")):
-                why += f" (CRIU: {criu})"
+            if rc > 0 and not full and (reasons := criu_reasons(images / "dump.log")):
+                why += f" (CRIU: {reasons})"
         if "No space left" in why or full:
             # A full disk also swallows CRIU's own log, so say it from here.
             why = f"no space left on the checkpoint disk ({free} bytes free): {why}"

@@ -429,7 +429,8 @@ class CheckpointEngine(SingletonConfigurable):
         """Dumps run concurrently, except two whose CRIU would mount /proc in the same
         directory (procmount.py). On a `base`: an incremental image (incremental.py)."""
         async with dump_turn(pid):
-            return await criu_dump(self, pid, images, progress, base, owner)
+            criu = [*self.dump_command_prefix(owner), *self.base_args(self.require())]
+            return await criu_dump(self, criu, pid, images, progress, base)
 
     def start_restore(
         self, images: Path, work: Path, pidfile: Path, lazy: bool = False

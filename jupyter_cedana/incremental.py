@@ -30,13 +30,13 @@ from .crimg import (
     PE_PRESENT,
     ImageError,
     PageRun,
-    _int,
-    _pagemap_entry,
-    _pagemap_record,
-    _spans,
     decode,
+    field_spans,
+    int_field,
     pagemap,
+    pagemap_record,
     pids,
+    read_pagemap_entry,
 )
 
 PARENT_LINK = "parent"  # CRIU's name for the link to the previous image (CR_PARENT_LINK)
@@ -254,10 +254,10 @@ def finish_delta(images: Path, base: PageIndex, streams: dict[str, DeltaStream])
         # Shared memory (pagemap-shmem-ID.img) is not indexed: its pages are all written.
         pid = int(name) if name.isdigit() else -1
         data = path.read_bytes()
-        spans = _spans(data, path.name)
+        spans = field_spans(data, path.name)
         if not spans:
             continue
-        pages_name = f"pages-{_int(decode(data[spans[0][0] : spans[0][1]]), 1)}.img"
+        pages_name = f"pages-{int_field(decode(data[spans[0][0] : spans[0][1]]), 1)}.img"
         stream = streams.get(pages_name, DeltaStream())
         known = base.at.get(pid, {}) if pid >= 0 else {}
         out = [data[: spans[1][0] - 4] if len(spans) > 1 else data]
@@ -268,7 +268,7 @@ def finish_delta(images: Path, base: PageIndex, streams: dict[str, DeltaStream])
         written = 0
         k = 0  # page of the stream
         for lo, hi in spans[1:]:
-            vaddr, count, flags = _pagemap_entry(data, lo, hi)
+            vaddr, count, flags = read_pagemap_entry(data, lo, hi)
             if not flags & PE_PRESENT:
                 entries.append((vaddr, count, flags))
                 continue
@@ -297,7 +297,7 @@ def finish_delta(images: Path, base: PageIndex, streams: dict[str, DeltaStream])
         result.pages += k
         result.written += written
         wide = any(5 in decode(data[lo:hi]) for lo, hi in spans[1:2])
-        out.extend(_pagemap_record(v, n, f, wide) for v, n, f in entries)
+        out.extend(pagemap_record(v, n, f, wide) for v, n, f in entries)
         if len(sources) != written:  # pages to copy from the base: the file is rewritten
             _rebuild(images / pages_name, sources, base, reader)
             result.rebuilt.append(pages_name)

@@ -31,12 +31,12 @@ def strip_lazy_marks(images: Path) -> None:
     for pid in crimg.pids(images):
         path = images / f"pagemap-{pid}.img"
         data = path.read_bytes()
-        spans = crimg._spans(data, path.name)
+        spans = crimg.field_spans(data, path.name)
         out = [data[: spans[1][0] - 4]]
         for lo, hi in spans[1:]:
-            vaddr, pages, flags = crimg._pagemap_entry(data, lo, hi)
+            vaddr, pages, flags = crimg.read_pagemap_entry(data, lo, hi)
             wide = 5 in crimg.decode(data[lo:hi])
-            out.append(crimg._pagemap_record(vaddr, pages, flags & ~crimg.PE_LAZY, wide))
+            out.append(crimg.pagemap_record(vaddr, pages, flags & ~crimg.PE_LAZY, wide))
         path.write_bytes(b"".join(out))
 
 

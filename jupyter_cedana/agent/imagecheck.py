@@ -125,7 +125,7 @@ def root_exe(images: Path) -> tuple[int, str]:
     try:
         root = crimg.pids(images)[0]
         mm = crimg.records(images / f"mm-{root}.img")
-        exe_id = crimg._int(crimg.decode(mm[0]), _MM_EXE_FILE_ID, -1)
+        exe_id = crimg.int_field(crimg.decode(mm[0]), _MM_EXE_FILE_ID, -1)
         return root, crimg.regular_files(images).get(exe_id, "")
     except (OSError, IndexError, crimg.ImageError) as e:
         raise ImageRefused(f"the image's process tree cannot be read: {e}") from e
