@@ -6,14 +6,19 @@ bytes on the checkpoint disk: whether reading and hashing all of a kernel's memo
 much cheaper than writing it.
 
 Part 2 (`--part kernel`): a real kernel of N GB (1 and 4 by default) with
-CheckpointEngine.keep_base on, suspended (a whole image), resumed, given a cell that
-changes a share of its array (1.5 % by default, one contiguous slice), suspended again (a
-delta on the first image): both suspends' frozen time and the bytes the disk wrote (from
-/proc/diskstats, not our counters), side by side, and the state checked after each
-resume. With --analyse, both images are also compared page by page at the same virtual
-address: how many 4 KiB pages and 64 KiB address-aligned chunks really changed, against
-how many 64 KiB chunks of the page files differ at the same file offset (what a
-comparison blind to addresses would have to write).
+CheckpointEngine.keep_base on. `--repeats` times (medians shown): suspended whole,
+resumed, given a cell that changes a share of its array (1.5 % by default, one
+contiguous slice), suspended again (a delta on the first image): both suspends' frozen
+time and the bytes the disk wrote (from /proc/diskstats, not our counters; and the
+process's own /proc/self/io), then a cold resume from that chain (first output, all
+pages in) beside a plain cold read of as many bytes on the same disk; a cell's speed
+before, while the kept base is indexed, and after. Then `--cycles` cycles of cell,
+suspend, resume: the state after every resume, the disk the chain takes (blocks, each
+hard-linked file once) against the kernel's memory; then shutdown, and whatever of the
+kernel is left under the root. With --analyse, both images of each repeat are also
+compared page by page at the same virtual address: how many 4 KiB pages and 64 KiB
+address-aligned chunks really changed, against how many 64 KiB chunks of the page files
+differ at the same file offset (what a comparison blind to addresses would write).
 
 Needs root (CRIU). Results: printed, and as JSON with --json.
 """
@@ -40,6 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchlib import (
     GB,
     SMALL,
+    confirm_iopub,
     drop_caches,
     engine_at,
     fill,
@@ -245,6 +251,7 @@ async def part_kernel(
 
         async def resume(expect: str) -> None:
             await prov.resume()
+            await confirm_iopub(km, kc)  # the server's gate does it before any cell
             await prov.memory_loaded()
             if (await run(kc, STATE)).strip() != expect:
                 raise RuntimeError("the state after a resume differs")
@@ -266,6 +273,7 @@ async def part_kernel(
             expect = (await run(kc, STATE)).strip()
             first = await suspend(row, "first")
             await prov.resume()
+            await confirm_iopub(km, kc)
             await prov.memory_loaded()
             # A cell while the kept image is indexed (the base's one cost to cells).
             row["cell_s_indexing"] = float((await run(kc, CELL_TIMED)).strip())
@@ -290,6 +298,7 @@ async def part_kernel(
             drop_caches()
             t0, m0 = time.perf_counter(), time.monotonic()
             await prov.resume()
+            await confirm_iopub(km, kc)
             arrived, text = await output_of(kc, SMALL)
             await prov.memory_loaded()
             if text != "42":
