@@ -11,6 +11,7 @@ import sys
 
 from . import protocol
 from .launch import Launcher
+from .records import BadRecord
 from .service import Limits, Service, UnsafeDirectory
 
 DEFAULT_STATE_DIR = "/var/lib/jupyter-cedana-agent"
@@ -57,6 +58,20 @@ def parser() -> argparse.ArgumentParser:
         help="kernels one uid may have at once",
     )
     p.add_argument(
+        "--orphan-grace",
+        type=float,
+        default=d.orphan_grace,
+        help="seconds a uid's running kernels may go without any connection of that uid "
+        "before the agent suspends (dumps) them",
+    )
+    p.add_argument(
+        "--kernels-on-stop",
+        choices=("keep", "kill"),
+        default="keep",
+        help="what SIGTERM/SIGINT do to the kernels: keep them running for the next agent "
+        "(a restart, an upgrade), or kill them",
+    )
+    p.add_argument(
         "--cedana-init",
         default=None,
         help="the kernels' init program (default: the one installed with jupyter-cedana)",
@@ -84,13 +99,19 @@ async def run(ns: argparse.Namespace) -> int:
         max_connections=ns.max_connections,
         max_connections_per_uid=ns.max_connections_per_uid,
         max_kernels_per_uid=ns.max_kernels_per_uid,
+        orphan_grace=ns.orphan_grace,
     )
+    if not ns.orphan_grace > 0:
+        print("jupyter-cedana-agent: --orphan-grace must be > 0", file=sys.stderr)
+        return 2
     service = Service(ns.socket, ns.state_dir, limits)
     try:
-        Launcher(service, ns.cedana_init).register()
+        launcher = Launcher(service, ns.cedana_init)
+        launcher.register()
+        service.init_binary = launcher.init_binary
         _register_optional(service)
         await service.start()
-    except UnsafeDirectory as e:
+    except (UnsafeDirectory, BadRecord) as e:
         print(f"jupyter-cedana-agent: {e}", file=sys.stderr)
         return 2
     stop = asyncio.Event()
@@ -100,7 +121,7 @@ async def run(ns: argparse.Namespace) -> int:
     # Ready: a supervisor (or a test) waits for this line rather than polling the socket.
     print(f"jupyter-cedana-agent: listening on {ns.socket}", flush=True)
     await stop.wait()
-    await service.close()
+    await service.close(kill_kernels=ns.kernels_on_stop == "kill")
     return 0
 
 

@@ -23,6 +23,9 @@ from typing import Any
 from . import protocol
 from .protocol import AgentError
 
+#: What `poll` gives for a kernel that exited with a status the agent does not know.
+EXIT_UNKNOWN = 255
+
 ProgressCallback = Callable[[dict[str, Any]], Awaitable[None] | None]
 
 
@@ -142,8 +145,18 @@ class AgentClient:
         return kernels if isinstance(kernels, list) else []
 
     async def poll(self, kernel_id: str) -> int | None:
-        code = (await self.request("poll", {"kernel_id": kernel_id})).get("returncode")
-        return code if isinstance(code, int) else None
+        """None while the kernel has not exited (running, or checkpointed); its exit
+        status once it has, or EXIT_UNKNOWN if the agent could not learn it (it exited
+        while the agent that watched it had restarted): never None for a dead kernel."""
+        reply = await self.status(kernel_id)
+        code = reply.get("returncode")
+        if isinstance(code, int):
+            return code
+        return EXIT_UNKNOWN if reply.get("state") == "exited" else None
+
+    async def status(self, kernel_id: str) -> dict[str, Any]:
+        """The whole `poll` reply: `state`, `returncode`, `returncode_known`, `note`."""
+        return await self.request("poll", {"kernel_id": kernel_id})
 
     async def signal(self, kernel_id: str, signum: int) -> None:
         await self.request("signal", {"kernel_id": kernel_id, "signum": int(signum)})

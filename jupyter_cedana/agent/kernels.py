@@ -12,12 +12,21 @@ import asyncio
 import collections
 import contextlib
 import enum
+import logging
 import os
 import signal
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import Any, Protocol
 
+from . import records
+from .output import KernelOutput
 from .protocol import AgentError
+from .records import Proc, RecordStore
+
+log = logging.getLogger("jupyter_cedana.agent")
 
 LOG_LIMIT = 64 * 1024
 
@@ -31,11 +40,9 @@ class State(enum.Enum):
 
 
 class KernelLog:
-    """The tail of a kernel's stdout and stderr, bounded in memory.
-
-    A pipe drained here rather than a file: a regular file the kernel writes that grows
-    after a dump makes CRIU refuse the restore ("has bad size").
-    """
+    """The tail of a kernel's stdout and stderr, bounded in memory: a table without a
+    state directory (its kernels' output goes through a pipe). The agent's own table
+    keeps output in files (output.KernelOutput), which outlive the agent."""
 
     def __init__(self, limit: int = LOG_LIMIT):
         self.limit = limit
@@ -68,6 +75,62 @@ async def drain(stream: asyncio.StreamReader, log: KernelLog) -> None:
         log.feed(chunk)
 
 
+class KernelProcess(Protocol):
+    """What stands for a kernel's life: the agent's child (an asyncio process, or a
+    restore's keeper), or after an agent restart a process it watches with a pidfd."""
+
+    pid: int
+
+    @property
+    def returncode(self) -> int | None: ...
+
+    async def wait(self) -> int: ...
+
+
+class Adopted:
+    """A kernel's init from before the agent restarted: not the agent's child, so it is
+    watched through a pidfd (which, unlike a pid, can never name a later process) and
+    its exit status is not known."""
+
+    stdout = None
+    stderr = None
+    returncode = None
+
+    def __init__(self, proc: Proc):
+        self.pid = proc.pid
+        self.pidfd = os.pidfd_open(proc.pid)
+        if not proc.alive():  # the pid was reused between the check and the open
+            os.close(self.pidfd)
+            raise ProcessLookupError(proc.pid)
+        self.done = asyncio.Event()
+        asyncio.get_running_loop().add_reader(self.pidfd, self._exited)
+
+    def _exited(self) -> None:
+        asyncio.get_running_loop().remove_reader(self.pidfd)
+        self.done.set()
+
+    def send_signal(self, signum: int) -> None:
+        if self.done.is_set():
+            raise ProcessLookupError(self.pid)
+        signal.pidfd_send_signal(self.pidfd, signum)
+
+    async def wait(self) -> int:
+        await self.done.wait()
+        return UNKNOWN_EXIT
+
+    def close(self) -> None:
+        if not self.done.is_set():
+            asyncio.get_running_loop().remove_reader(self.pidfd)
+        with contextlib.suppress(OSError):
+            os.close(self.pidfd)
+
+
+#: What an adopted kernel's wait() gives: its status went to another parent.
+UNKNOWN_EXIT = -(2**31)
+UNKNOWN_EXIT_NOTE = "it exited while no agent was its parent: its exit status is unknown"
+_PERSISTED = frozenset({"state"})
+
+
 @dataclass(eq=False)
 class KernelRecord:
     uid: int
@@ -77,45 +140,133 @@ class KernelRecord:
     #: Host pid of the namespace's PID 1 (cedana-init's init): what CRIU dumps, and
     #: where signals go (the init forwards them to the kernel's process group).
     init_pid: int
-    #: The agent's child whose exit is the kernel's: cedana-init's watcher after a
-    #: launch, its keeper after a restore. None while dumped.
-    process: asyncio.subprocess.Process | None
+    #: What the kernel's exit is the exit of: cedana-init's watcher after a launch, its
+    #: keeper after a restore, the init itself once adopted. None while dumped.
+    process: KernelProcess | None
     state: State = State.running
     returncode: int | None = None
     argv: list[str] = field(default_factory=list)
     cwd: str = "/"
     #: The init's private working directory (cedana-init --chdir), root-owned.
     work_dir: str = ""
-    log: KernelLog = field(default_factory=KernelLog)
+    log: KernelLog | KernelOutput = field(default_factory=KernelLog)
     #: Held by any op that changes the record's process (signal, dump, restore).
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     exited: asyncio.Event = field(default_factory=asyncio.Event)
+    #: What the agent knows that the state does not say (an unknown exit status, a
+    #: suspend of an orphan that failed, a restart of the machine).
+    note: str | None = None
     _tasks: set[asyncio.Task[Any]] = field(default_factory=set)
+    #: Called after every state change: the table writes the record to disk.
+    _sink: Callable[[KernelRecord], None] | None = None
+    _procs: dict[int, Proc] = field(default_factory=dict)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        object.__setattr__(self, name, value)
+        # The state is set last by every op (the pids before it): one write per change.
+        if name in _PERSISTED and getattr(self, "_sink", None) is not None:
+            self.save()
+
+    def save(self) -> None:
+        if self._sink is not None:
+            self._sink(self)
+
+    def persist_to(self, sink: Callable[[KernelRecord], None] | None) -> None:
+        """Where the record goes on each change of state (None: nowhere)."""
+        self._sink = sink
+
+    def known_as(self, proc: Proc) -> None:
+        """`proc` is the kernel's init, with the start time its record gave."""
+        self.init_pid = proc.pid
+        self._procs[proc.pid] = proc
 
     @property
     def host_pid(self) -> int | None:
         return self.process.pid if self.process is not None else None
 
-    def summary(self) -> dict[str, Any]:
+    def _proc(self, pid: int | None) -> Proc | None:
+        """`pid` with its start time, read once per pid (while it surely is ours)."""
+        if not pid or pid <= 0:
+            return None
+        if pid not in self._procs:
+            found = Proc.of(pid)
+            if found is None:
+                return None
+            self._procs = {p: v for p, v in self._procs.items() if p in (self.init_pid, pid)}
+            self._procs[pid] = found
+        return self._procs[pid]
+
+    def to_fields(self) -> dict[str, Any]:
+        """The record as written to disk (records.validate)."""
+        live = self.state in (State.running, State.dumping, State.restoring)
+        init = self._proc(self.init_pid) if live else None
+        keeper = self._proc(self.host_pid) if live and self.host_pid != self.init_pid else None
         return {
+            "version": records.VERSION,
+            "uid": self.uid,
+            "kernel_id": self.kernel_id,
+            "gid": self.gid,
+            "groups": list(self.groups),
+            "state": self.state.value,
+            "returncode": self.returncode,
+            "note": self.note,
+            "argv": list(self.argv),
+            "cwd": self.cwd,
+            "boot_id": records.boot_id(),
+            "init": init.to_json() if init else None,
+            "keeper": keeper.to_json() if keeper else None,
+            "since": time.time(),
+        }
+
+    def summary(self) -> dict[str, Any]:
+        out = {
             "kernel_id": self.kernel_id,
             "state": self.state.value,
             "pid": self.init_pid if self.state in (State.running, State.dumping) else None,
             "returncode": self.returncode,
         }
+        if self.note:
+            out["note"] = self.note
+        return out
 
-    def watch(self, process: asyncio.subprocess.Process) -> None:
+    def status(self) -> dict[str, Any]:
+        """The `poll` reply: an exited kernel whose status is unknown says so."""
+        out: dict[str, Any] = {"returncode": self.returncode, "state": self.state.value}
+        if self.state == State.exited and self.returncode is None:
+            out["returncode_known"] = False
+        if self.note:
+            out["note"] = self.note
+        return out
+
+    def output_target(self) -> int:
+        """What the kernel's stdout and stderr are (subprocess's `stdout=`): its output
+        file's descriptor, or a pipe to the agent for a table without a state directory."""
+        if isinstance(self.log, KernelOutput):
+            return self.log.open_writer()
+        return asyncio.subprocess.PIPE
+
+    def watch(self, process: KernelProcess) -> None:
         """Makes `process` the kernel's: its exit ends the kernel (unless being dumped)."""
+        if isinstance(self.log, KernelOutput):
+            self.log.close_writer()  # the kernel has it now
         self.process = process
         self.exited.clear()
         self.returncode = None
         self._spawn(self._wait(process))
-        for stream in (process.stdout, process.stderr):
-            if stream is not None:
+        for stream in (getattr(process, "stdout", None), getattr(process, "stderr", None)):
+            if stream is not None and isinstance(self.log, KernelLog):
                 self._spawn(drain(stream, self.log))
 
     def attach_output(self, stream: asyncio.StreamReader) -> None:
-        """Drains another pipe into the log (a restored kernel's inherited stdout)."""
+        """Drains another pipe into the log (a restored kernel's inherited stdout), for
+        a kernel whose output is a pipe. A kernel whose output is its file has no pipe
+        of the agent's: a pipe at its descriptor 1 or 2 is its own (ipykernel captures
+        both through pipes it reads itself), and reading it would take its output away."""
+        if isinstance(self.log, KernelOutput):
+            transport = getattr(stream, "_transport", None)
+            if transport is not None:
+                transport.close()
+            return
         self._spawn(drain(stream, self.log))
 
     def _spawn(self, coro: Any) -> None:
@@ -123,14 +274,20 @@ class KernelRecord:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _wait(self, process: asyncio.subprocess.Process) -> None:
+    async def _wait(self, process: KernelProcess) -> None:
         code = await process.wait()
+        if isinstance(process, Adopted):
+            process.close()
         if self.process is not process:
             return  # replaced meanwhile (a restore gave the kernel a new keeper)
         self.process = None
         if self.state in (State.running, State.restoring):
+            if code == UNKNOWN_EXIT:
+                self.returncode = None
+                self.note = UNKNOWN_EXIT_NOTE
+            else:
+                self.returncode = code
             self.state = State.exited
-            self.returncode = code
             self.exited.set()
         # dumping: the dump op decides (dumped, or exited if the dump failed and killed it)
 
@@ -143,27 +300,58 @@ class KernelRecord:
             raise AgentError("conflict", f"kernel {self.kernel_id} has no process yet")
         with contextlib.suppress(ProcessLookupError):  # it exited: poll() will say so
             # SIGKILL to PID 1 ends the whole namespace; others are forwarded by the init.
-            os.kill(self.init_pid, signum)
+            if isinstance(self.process, Adopted):
+                self.process.send_signal(signum)
+            else:
+                os.kill(self.init_pid, signum)
 
-    async def close(self) -> None:
-        """Kills the kernel (agent shutdown, or a failed launch) and stops its tasks."""
-        if self.process is not None and self.process.returncode is None:
-            for pid in (self.init_pid, self.process.pid):
+    async def close(self, kill: bool = True) -> None:
+        """Kills the kernel (a stop that ends kernels, or a failed launch) and stops its
+        tasks; `kill=False` only lets go of it (an agent stopping for a restart)."""
+        process = self.process
+        if kill and isinstance(process, Adopted):
+            with contextlib.suppress(ProcessLookupError):
+                process.send_signal(signal.SIGKILL)
+            await process.wait()
+        elif kill and process is not None and process.returncode is None:
+            for pid in (self.init_pid, process.pid):
                 if pid <= 0:
                     continue  # 0 would be the agent's own process group
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
-            await self.process.wait()
+            await process.wait()
+        if isinstance(process, Adopted):
+            process.close()
+        if isinstance(self.log, KernelOutput):
+            self.log.close_writer()
         for task in list(self._tasks):
             task.cancel()
 
 
 class KernelTable:
-    """Records by (uid, kernel_id). Every lookup takes the caller's uid."""
+    """Records by (uid, kernel_id). Every lookup takes the caller's uid.
 
-    def __init__(self, max_per_uid: int = 64):
+    With a state directory, every record is on disk too (records.RecordStore), written
+    on each change of state, and each kernel's output is a file (output.KernelOutput)."""
+
+    def __init__(self, max_per_uid: int = 64, state_dir: str | Path | None = None):
         self.max_per_uid = max_per_uid
         self._records: dict[tuple[int, str], KernelRecord] = {}
+        self.store = RecordStore(Path(state_dir)) if state_dir is not None else None
+        self.output_root = Path(state_dir) / "output" if state_dir is not None else None
+
+    def output_of(self, uid: int, kernel_id: str) -> KernelOutput:
+        assert self.output_root is not None
+        return KernelOutput(self.output_root / str(int(uid)) / f"{kernel_id}.log")
+
+    def _save(self, record: KernelRecord) -> None:
+        if self.store is None or self._records.get((record.uid, record.kernel_id)) is not record:
+            return
+        try:
+            self.store.save(record.to_fields())
+        except Exception:
+            # The kernel goes on; only an agent restart would lose track of it.
+            log.exception("cannot write the record of kernel %s", record.kernel_id)
 
     def lookup(self, uid: int, kernel_id: str) -> KernelRecord:
         record = self._records.get((uid, kernel_id))
@@ -188,10 +376,20 @@ class KernelTable:
         if len(self.for_uid(record.uid)) >= self.max_per_uid:
             raise AgentError("busy", f"at most {self.max_per_uid} kernels per user")
         self._records[key] = record
+        if self.store is not None:
+            if isinstance(record.log, KernelLog) and not record.log.tail():
+                record.log = self.output_of(record.uid, record.kernel_id)
+            record.persist_to(self._save)
+            record.save()
 
     def remove(self, uid: int, kernel_id: str) -> KernelRecord:
         record = self.lookup(uid, kernel_id)
         del self._records[(uid, kernel_id)]
+        record.persist_to(None)
+        if self.store is not None:
+            self.store.delete(uid, kernel_id)
+            if isinstance(record.log, KernelOutput):
+                record.log.remove()
         return record
 
     def transition(self, uid: int, kernel_id: str, expect: set[State], to: State) -> KernelRecord:
@@ -206,9 +404,11 @@ class KernelTable:
     def mark_dumped(self, uid: int, kernel_id: str) -> KernelRecord:
         """After a dump that ended the kernel's processes: no pid until a restore."""
         record = self.lookup(uid, kernel_id)
-        record.state = State.dumped
+        if isinstance(record.process, Adopted):
+            record.process.close()
         record.process = None
         record.init_pid = 0
+        record.state = State.dumped
         return record
 
     def mark_restored(
@@ -216,16 +416,17 @@ class KernelTable:
         uid: int,
         kernel_id: str,
         pid: int,
-        process: asyncio.subprocess.Process | None = None,
+        process: KernelProcess | None = None,
     ) -> KernelRecord:
         """After a restore: `pid` is the restored init's new host pid, `process` the
         agent's child whose exit is the kernel's (cedana-init --keeper)."""
         record = self.lookup(uid, kernel_id)
         record.init_pid = pid
-        record.state = State.running
         record.returncode = None
+        record.note = None
         if process is not None:
             record.watch(process)
+        record.state = State.running
         return record
 
 

@@ -19,13 +19,14 @@ import pwd
 import socket
 import stat
 import struct
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from . import protocol
-from .kernels import KernelTable
+from .kernels import KernelRecord, KernelTable, State
 from .protocol import AgentError, FrameError
 
 log = logging.getLogger("jupyter_cedana.agent")
@@ -82,6 +83,9 @@ class Limits:
     #: Requests one connection may have in flight; more wait (the client's own queue).
     max_inflight: int = 8
     max_kernels_per_uid: int = 64
+    #: Seconds a uid's running kernels may go without any connection of that uid before
+    #: the agent suspends (dumps) them: nothing runs on unowned for ever.
+    orphan_grace: float = 3600.0
 
 
 class UnsafeDirectory(RuntimeError):
@@ -139,7 +143,14 @@ class Service:
         self.socket_path = Path(socket_path)
         self.state_dir = Path(state_dir)
         self.limits = limits or Limits()
-        self.kernels = KernelTable(max_per_uid=self.limits.max_kernels_per_uid)
+        self.kernels = KernelTable(
+            max_per_uid=self.limits.max_kernels_per_uid, state_dir=self.state_dir
+        )
+        #: The kernels' init (cedana-init): what an adopted kernel's init must run.
+        self.init_binary: str | None = None
+        self._alone_since: dict[int, float] = {}  # uid -> when its last connection went
+        self._orphans_tried: set[tuple[int, str]] = set()
+        self._chores: set[asyncio.Task[Any]] = set()
         self._ops: dict[str, Handler] = {}
         self.cancellable: set[str] = set()
         self._server: asyncio.Server | None = None
@@ -173,6 +184,15 @@ class Service:
         check_private_dir(self.socket_path.parent, create_mode=0o755)
         check_private_dir(self.state_dir, create_mode=0o700)
         await self._clear_stale_socket()
+        if self.init_binary is not None:
+            from .adopt import Adopter  # needs the image store, not every Service does
+
+            await Adopter(self.kernels, self.state_dir, self.init_binary).run()
+        now = time.monotonic()
+        for record in self.kernels.all():
+            self._alone_since.setdefault(record.uid, now)
+        for chore in (self._keep_output_small(), self._suspend_orphans()):
+            self._chores.add(asyncio.get_running_loop().create_task(chore))
         self._server = await asyncio.start_unix_server(
             self._serve, path=str(self.socket_path), limit=self.limits.max_request + 8
         )
@@ -200,6 +220,10 @@ class Service:
         await self._server.serve_forever()
 
     async def close(self, *, kill_kernels: bool = True) -> None:
+        """Stops serving. `kill_kernels=False` leaves the kernels running, their records
+        on disk, for the next agent to own again."""
+        for chore in self._chores:
+            chore.cancel()
         if self._server is not None:
             self._server.close()
             with contextlib.suppress(FileNotFoundError):
@@ -210,9 +234,60 @@ class Service:
             writer.transport.abort()
         if self._conn_tasks:
             await asyncio.wait(set(self._conn_tasks), timeout=5)
-        if kill_kernels:
+        for record in self.kernels.all():
+            await record.close(kill=kill_kernels)
+
+    # -- chores ---------------------------------------------------------------------------
+
+    async def _keep_output_small(self) -> None:
+        while True:
+            await asyncio.sleep(OUTPUT_CHECK_SECONDS)
             for record in self.kernels.all():
-                await record.close()
+                enforce = getattr(record.log, "enforce_limit", None)
+                if enforce is not None:
+                    try:
+                        enforce()
+                    except OSError as e:
+                        log.warning("output of kernel %s: %s", record.kernel_id, e)
+
+    async def _suspend_orphans(self) -> None:
+        """Dumps the running kernels of a uid that has had no connection for
+        `orphan_grace` seconds; one that cannot be dumped runs on, and says why."""
+        grace = self.limits.orphan_grace
+        while True:
+            await asyncio.sleep(min(grace / 4, 5.0))
+            now = time.monotonic()
+            for record in self.kernels.all():
+                key = (record.uid, record.kernel_id)
+                since = self._alone_since.get(record.uid)
+                if record.state != State.running or since is None or now - since < grace:
+                    continue
+                if key in self._orphans_tried:
+                    continue
+                self._orphans_tried.add(key)
+                await self._suspend(record, now - since)
+
+    async def _suspend(self, record: KernelRecord, alone: float) -> None:
+        dump = self._ops.get("dump")
+        why = f"no client of uid {record.uid} for {alone:.0f} s"
+        if dump is None:
+            record.note = f"orphaned ({why}); not suspended: this agent cannot dump"
+        else:
+            caller = Caller(pid=0, uid=record.uid, gid=record.gid, groups=record.groups)
+
+            async def progress(_: dict[str, Any]) -> None:
+                pass
+
+            try:
+                await dump(caller, {"kernel_id": record.kernel_id}, progress)
+                record.note = f"suspended: {why}"
+            except AgentError as e:
+                record.note = f"orphaned ({why}); not suspended: {e.message}"
+            except Exception as e:
+                log.exception("suspending orphaned kernel %s failed", record.kernel_id)
+                record.note = f"orphaned ({why}); not suspended: {e}"
+        log.warning("kernel %s of uid %d: %s", record.kernel_id, record.uid, record.note)
+        record.save()
 
     # -- connections ----------------------------------------------------------------------
 
@@ -243,6 +318,8 @@ class Service:
             self._conn_tasks.discard(task)
             return
         self._connections[caller.uid] = self._connections.get(caller.uid, 0) + 1
+        if self._alone_since.pop(caller.uid, None) is not None:
+            self._orphans_tried = {k for k in self._orphans_tried if k[0] != caller.uid}
         self._writers.add(writer)
         try:
             await Connection(self, caller, reader, writer).run()
@@ -252,6 +329,7 @@ class Service:
             self._connections[caller.uid] -= 1
             if not self._connections[caller.uid]:
                 del self._connections[caller.uid]
+                self._alone_since[caller.uid] = time.monotonic()
             self._writers.discard(writer)
             writer.close()
             self._conn_tasks.discard(task)
@@ -285,6 +363,7 @@ class Service:
         return await self._ops[op](caller, args, progress)
 
 
+OUTPUT_CHECK_SECONDS = 1.0
 LINGER_SECONDS = 1.0
 MAX_LINGERING = 64
 

@@ -132,7 +132,12 @@ def is_open(sock: socket.socket) -> bool:
     return sock.recv(1, socket.MSG_PEEK) != b""
 
 
-def start_agent(base: Path, *extra: str, state_dir: Path | None = None) -> subprocess.Popen[str]:
+def start_agent(
+    base: Path, *extra: str, state_dir: Path | None = None, kernels_on_stop: str = "kill"
+) -> subprocess.Popen[str]:
+    """An agent on `base`'s socket and state directory. Its kernels end when it is stopped
+    with SIGTERM (`kernels_on_stop`), so that no test leaves kernels behind; a restart
+    test kills it with SIGKILL, which leaves them running."""
     return subprocess.Popen(
         [
             sys.executable,
@@ -142,6 +147,8 @@ def start_agent(base: Path, *extra: str, state_dir: Path | None = None) -> subpr
             str(base / "run" / "agent.sock"),
             "--state-dir",
             str(state_dir or base / "state"),
+            "--kernels-on-stop",
+            kernels_on_stop,
             *extra,
         ],
         stdout=subprocess.PIPE,
