@@ -6,14 +6,24 @@ from __future__ import annotations
 
 import json
 import os
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
-from .checkpoint import BASE_NAME, MANIFEST
+from .checkpoint import BASE_NAME, MANIFEST, CheckpointStore
 from .transitions import KernelState
 
 if TYPE_CHECKING:
-    from .manager import SuspendManager
     from .provisioner import CedanaProvisioner
+
+
+class Kernels(Protocol):
+    """Where the kernels are found: the manager (manager.SuspendManager), declared here
+    so that the manager depends on this module and not the other way round."""
+
+    @property
+    def kernel_manager(self) -> Any: ...
+    @property
+    def log(self) -> Any: ...
+    def provisioner_of(self, kernel: Any) -> CedanaProvisioner | None: ...
 
 
 def droppable(prov: CedanaProvisioner) -> bool:
@@ -22,12 +32,12 @@ def droppable(prov: CedanaProvisioner) -> bool:
     resume of it is under way (they set another state first, on the same event loop)."""
     return (
         prov.state == KernelState.running
-        and prov._loading is None
+        and prov.memory_loading is None
         and prov.engine.store.exists(prov.kernel_id_str)
     )
 
 
-def kept_bases(manager: SuspendManager) -> list[str]:
+def kept_bases(manager: Kernels) -> list[str]:
     """Kernels whose image on disk the budget may drop."""
     km = manager.kernel_manager
     found = []
@@ -41,7 +51,7 @@ def kept_bases(manager: SuspendManager) -> list[str]:
     return found
 
 
-def drop_base(manager: SuspendManager, kernel_id: str) -> bool:
+def drop_base(manager: Kernels, kernel_id: str) -> bool:
     """Delete a running kernel's kept image now (the budget needs the room now): its next
     suspend is a whole one. False when the image is no longer only a base."""
     try:
@@ -66,13 +76,13 @@ def drop_base(manager: SuspendManager, kernel_id: str) -> bool:
 _SEEN: dict[str, tuple[tuple[int, int], dict[str, Any] | None]] = {}
 
 
-def checkpoint_disk(manager: SuspendManager, kernel_id: str, prov: Any) -> dict[str, Any] | None:
+def checkpoint_disk(store: CheckpointStore, kernel_id: str, prov: Any) -> dict[str, Any] | None:
     """What the kernel's checkpoint holds on disk: the newest image (`image_bytes`), the
     bases under it (`base_bytes`: an incremental image's chain), how many images the
     chain has (`layers`: 1 for a whole image), and whether it is only kept as the base
     of the next suspend of a running kernel (`kept_base`: dropped first for room).
     None when the kernel has no image on disk."""
-    images = manager.engine.store.path(kernel_id)
+    images = store.path(kernel_id)
     try:
         st = os.stat(images / MANIFEST)
         key = (st.st_ino, st.st_mtime_ns)

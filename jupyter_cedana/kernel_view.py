@@ -4,16 +4,31 @@ suspended, when it will be, and the progress of a transition (docs/rest-api.yaml
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from .bases import checkpoint_disk
+from .kernel_facts import FactSource
+from .policy import KernelFacts
 from .timestamps import iso
 
 if TYPE_CHECKING:
-    from .manager import SuspendManager
+    from .backoff import SuspendBackoff
+    from .limits import TransitionQueue
 
 
-def kernel_view(manager: SuspendManager, kernel_id: str) -> dict[str, Any]:
+class ViewSource(FactSource, Protocol):
+    """What the view is read from: the manager (manager.SuspendManager), declared here so
+    that the manager depends on this module and not the other way round."""
+
+    @property
+    def backoff(self) -> SuspendBackoff: ...
+    @property
+    def queue(self) -> TransitionQueue: ...
+    def kernel(self, kernel_id: str) -> Any: ...
+    def facts(self, kernel_id: str, kernel: Any) -> KernelFacts: ...
+
+
+def kernel_view(manager: ViewSource, kernel_id: str) -> dict[str, Any]:
     """The kernel's view (NotFound for an unknown or invalid id)."""
     kernel = manager.kernel(kernel_id)
     prov = manager.provisioner_of(kernel)
@@ -53,7 +68,9 @@ def kernel_view(manager: SuspendManager, kernel_id: str) -> dict[str, Any]:
         "suspended_at": iso(prov.suspended_at) if prov else None,
         "keep_awake_until": iso(keep) if keep and keep > now else None,
         "checkpoint_bytes": prov.checkpoint_bytes if prov else 0,
-        "checkpoint_disk": checkpoint_disk(manager, kernel_id, prov) if prov else None,
+        "checkpoint_disk": (
+            checkpoint_disk(manager.engine.store, kernel_id, prov) if prov else None
+        ),
         "last_suspend_seconds": prov.last_suspend_seconds if prov else None,
         "last_resume_seconds": prov.last_resume_seconds if prov else None,
         "gpus": [g.to_json() for g in manager.gpus_of(kernel_id)],
