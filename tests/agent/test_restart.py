@@ -163,31 +163,34 @@ def test_running_kernel_is_owned_again_after_sigkill(agents: Agents) -> None:
     assert not (agent.state_dir / "records" / "1001" / f"{kernel.id}.json").exists()
 
 
-def test_dumped_kernel_restores_after_sigkill(agents: Agents) -> None:
+@pytest.mark.parametrize(("user", "other", "uid"), [(ROOT, USER, 0), (USER, OTHER, 1001)])
+def test_dumped_kernel_restores_after_sigkill(
+    agents: Agents, user: str, other: str, uid: int
+) -> None:
     agent = agents.start()
-    kernel, _ = agents.launch(agent, ROOT)
+    kernel, _ = agents.launch(agent, user)
     kernel.run("state = [41]")
-    reply = agent.run_as(ROOT, "dump", {"kernel_id": kernel.id})
+    reply = agent.run_as(user, "dump", {"kernel_id": kernel.id})
     assert reply["ok"], reply
     agent = agents.restart(agent)
-    listed = kernels_of(agent, ROOT)[kernel.id]
+    listed = kernels_of(agent, user)[kernel.id]
     assert listed["state"] == "dumped" and listed["pid"] is None
-    assert [i["kernel_id"] for i in agent.run_as(ROOT, "images")["result"]["images"]] == [kernel.id]
-    assert kernels_of(agent, USER) == {}
-    assert agent.run_as(USER, "restore", {"kernel_id": kernel.id})["error"]["code"] == "not_found"
+    assert [i["kernel_id"] for i in agent.run_as(user, "images")["result"]["images"]] == [kernel.id]
+    assert kernels_of(agent, other) == {}
+    assert agent.run_as(other, "restore", {"kernel_id": kernel.id})["error"]["code"] == "not_found"
     # Its output file grew since the dump: CRIU restores an append-only file regardless.
-    with open(agent.state_dir / "output" / "0" / f"{kernel.id}.log", "ab") as f:
+    with open(agent.state_dir / "output" / str(uid) / f"{kernel.id}.log", "ab") as f:
         f.write(b"written after the dump\n")
-    reply = agent.run_as(ROOT, "restore", {"kernel_id": kernel.id, "lazy": False})
+    reply = agent.run_as(user, "restore", {"kernel_id": kernel.id, "lazy": False})
     assert reply["ok"], reply
     reconnect(kernel)
     assert kernel.run("print(state[0] + 1)").strip() == "42"
     assert kernel.run(WRITE_FD1.format(text="restored")).strip() == "9"
-    out = log_of(agent, ROOT, kernel)
+    out = log_of(agent, user, kernel)
     assert out.index("written after the dump") < out.index("restored")
     # Restored by the second agent, owned by a third.
     agent = agents.restart(agent)
-    assert kernels_of(agent, ROOT)[kernel.id]["state"] == "running"
+    assert kernels_of(agent, user)[kernel.id]["state"] == "running"
     reconnect(kernel)
     assert kernel.run("print(state[0] + 2)").strip() == "43"
 
