@@ -318,6 +318,26 @@ async def part_kernel(
             out["repeats"].append(row)
             print(f"  repeat {r + 1}: {json.dumps(row)}", flush=True)
             await indexed()
+        if rows := out["repeats"]:
+            # Without a base (keep_base off): what a cell pays after a resume for the
+            # restore alone, right after it and once the base would have been indexed.
+            prov.engine.keep_base = False
+            doomed = store.detach_image(kid)
+            if doomed is not None:
+                shutil.rmtree(doomed)
+            await prov.suspend()
+            await prov.resume()
+            await confirm_iopub(km, kc)
+            await prov.memory_loaded()
+            out["cell_s_no_base"] = float((await run(kc, CELL_TIMED)).strip())
+            await asyncio.sleep(med(rows, "index_s") or 0)
+            out["cell_s_no_base_later"] = float((await run(kc, CELL_TIMED)).strip())
+            prov.engine.keep_base = True
+            print(
+                f"  cell without a base: {out['cell_s_no_base']:.3f} s, "
+                f"later {out['cell_s_no_base_later']:.3f} s",
+                flush=True,
+            )
         for i in range(cycles):
             cell = (
                 f"_k = int(a.size * {share}); _o = (a.size // 23) * {i % 22}; "
