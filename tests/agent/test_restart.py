@@ -19,6 +19,8 @@ from typing import Any
 
 import pytest
 
+from jupyter_cedana.agent.adopt import inits_in
+from jupyter_cedana.agent.client import EXIT_UNKNOWN
 from jupyter_cedana.agent.records import RecordStore, start_time
 from tests.criu_hold import CriuHold
 
@@ -123,6 +125,16 @@ WRITE_FD1 = (
 )
 
 
+CLIENT_POLL = (
+    "import asyncio, sys\n"
+    "from jupyter_cedana.agent.client import AgentClient\n"
+    "async def main():\n"
+    "    async with await AgentClient.connect(sys.argv[1]) as c:\n"
+    "        print(await c.poll(sys.argv[2]))\n"
+    "asyncio.run(main())\n"
+)
+
+
 def log_of(agent: Agent, user: str, kernel: Kernel) -> str:
     reply = agent.run_as(user, "log", {"kernel_id": kernel.id})
     assert reply["ok"], reply
@@ -158,6 +170,16 @@ def test_running_kernel_is_owned_again_after_sigkill(agents: Agents) -> None:
     assert waited["state"] == "exited" and waited["returncode"] is None
     polled = agent.run_as(USER, "poll", {"kernel_id": kernel.id})["result"]
     assert polled["returncode_known"] is False and "unknown" in polled["note"]
+    # The client a server uses says it is dead (not None, which would read as running).
+    poll_cmd = ["runuser", "-u", USER, "--", USER_PYTHON, "-c", CLIENT_POLL]
+    polled_by_client = subprocess.run(
+        [*poll_cmd, str(agent.socket_path), kernel.id],
+        capture_output=True,
+        text=True,
+        cwd="/",
+        timeout=60,
+    )
+    assert polled_by_client.stdout.strip() == str(EXIT_UNKNOWN), polled_by_client.stderr
     assert start_time(init_pid) is None
     assert agent.run_as(USER, "release", {"kernel_id": kernel.id})["ok"]
     assert not (agent.state_dir / "records" / "1001" / f"{kernel.id}.json").exists()
@@ -243,6 +265,50 @@ def test_sigkill_in_the_middle_of_a_dump(agents: Agents) -> None:
     assert agent.run_as(ROOT, "restore", {"kernel_id": kernel.id, "lazy": False})["ok"]
     reconnect(kernel)
     assert kernel.run("print(state[0] + 2)").strip() == "43"
+
+
+def test_sigkill_in_the_middle_of_a_restore(agents: Agents) -> None:
+    """The agent dies while CRIU has restored the kernel (left stopped) and before the
+    agent took it: the next agent ends that half-restored tree and the image, kept until
+    a restore completes, restores with the kernel's state."""
+    hold = CriuHold(agents.base / "criu-hold", "/usr/local/sbin/criu")
+    agent = agents.start(config={"criu_path": str(hold.wrapper)})
+    kernel, _ = agents.launch(agent, ROOT)
+    kernel.run("state = [41]")
+    assert agent.run_as(ROOT, "dump", {"kernel_id": kernel.id})["ok"]
+    hold.arm("restore", "after")
+    client = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "jupyter_cedana.agent.client",
+            "--socket",
+            str(agent.socket_path),
+            "restore",
+            json.dumps({"kernel_id": kernel.id, "lazy": False}),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    work = str(agent.state_dir / "kernels" / "0" / kernel.id)
+    try:
+        deadline = time.monotonic() + 120
+        while not hold.reached("restore", "after"):
+            assert time.monotonic() < deadline and client.poll() is None, client.communicate()
+            time.sleep(0.05)
+        half = inits_in(work)
+        assert len(half) == 1, half
+        agents.kill(agent)
+        agent = agents.start(config={"criu_path": str(hold.wrapper)})
+        assert start_time(half[0]) is None  # ended by the new agent
+    finally:
+        hold.release("restore", "after")
+        client.wait(timeout=60)
+    assert kernels_of(agent, ROOT)[kernel.id]["state"] == "dumped"
+    reply = agent.run_as(ROOT, "restore", {"kernel_id": kernel.id, "lazy": False})
+    assert reply["ok"], reply
+    reconnect(kernel)
+    assert kernel.run("print(state[0] + 1)").strip() == "42"
 
 
 def _refused_reasons(state: Path) -> list[str]:
