@@ -28,6 +28,7 @@ import contextlib
 import fcntl
 import logging
 import os
+import select
 import shutil
 import signal
 import time
@@ -93,6 +94,21 @@ def inits_in(work_dir: str) -> list[int]:
             if len(nspid) >= 2 and nspid[-1] == "1":
                 found.append(int(entry))
     return found
+
+
+def end(pid: int, timeout: float = 10.0) -> None:
+    """SIGKILL to a namespace init, and its exit waited for (its namespace goes with it)."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return
+    try:
+        signal.pidfd_send_signal(fd, signal.SIGKILL)
+        select.select([fd], [], [], timeout)  # readable once it has exited
+    except ProcessLookupError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def _traced(pids: set[int]) -> bool:
@@ -181,8 +197,7 @@ class Adopter:
         if state == "restoring":
             # A launch or restore cut short: what it started is nobody's.
             for pid in inits_in(record.work_dir):
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
+                end(pid)
         image = self._image(uid, kid)
         if state in ("dumped", "dumping", "restoring") and image is not None:
             record.state = State.dumped
@@ -228,8 +243,8 @@ class Adopter:
         tree = process_tree(init.pid)
         if image is not None and float(image.get("created") or 0) >= since:
             # Committed: the image is the kernel, as the dump would have left it.
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(init.pid, signal.SIGKILL)
+            if init.alive():
+                end(init.pid)
             return False
         _remove_partial_dumps(self.images.root / str(record.uid), record.kernel_id)
         for pid in tree:
