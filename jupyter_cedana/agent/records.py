@@ -162,7 +162,9 @@ def validate(data: Any, uid: int, kernel_id: str) -> dict[str, Any]:
         raise BadRecord(f"version {data['version']!r} is not {VERSION}")
     if _int(data["uid"], "uid", 0, 2**32 - 2) != uid:
         raise BadRecord(f"it names uid {data['uid']} but lies under uid {uid}")
-    if data["kernel_id"] != kernel_id or not _KERNEL_ID.fullmatch(kernel_id):
+    if not isinstance(data["kernel_id"], str) or not _KERNEL_ID.fullmatch(data["kernel_id"]):
+        raise BadRecord(f"kernel id {data['kernel_id']!r} is not a kernel id")
+    if data["kernel_id"] != kernel_id:
         raise BadRecord(f"it names kernel {data['kernel_id']!r}, its file {kernel_id!r}")
     _int(data["gid"], "gid", 0, 2**32 - 2)
     if not isinstance(data["groups"], list) or not data["groups"]:
