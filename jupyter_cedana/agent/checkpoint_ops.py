@@ -16,7 +16,6 @@ import json
 import logging
 import os
 import signal
-import stat
 import subprocess
 from pathlib import Path
 from typing import Any, cast
@@ -270,11 +269,9 @@ class CheckpointOps:
             except BaseException:
                 record.state = State.dumped
                 raise
-            restored = self.kernels.mark_restored(
+            self.kernels.mark_restored(
                 caller.uid, kid, pid, cast(asyncio.subprocess.Process, _Keeper(keeper))
             )
-            for reader in await _output_pipes(pid):
-                restored.attach_output(reader)
             if pages is None:
                 with contextlib.suppress(OSError):
                     store.remove_image(kid)
@@ -386,39 +383,6 @@ class CheckpointOps:
             "quota_bytes": self.store.quota_bytes,
             "used_bytes": self.store.usage(caller.uid),
         }
-
-
-async def _output_pipes(init_pid: int) -> list[asyncio.StreamReader]:
-    """Readers of the pipes the restored kernel writes its stdout and stderr to.
-
-    At launch those were pipes to the agent; CRIU restores them as new pipes with no
-    reader of ours, and a kernel that filled one (64 KiB) would block on its next write.
-    Opening /proc/PID/fd/N of a pipe for reading gives a read end of that same pipe."""
-    loop = asyncio.get_running_loop()
-    seen: set[str] = set()
-    readers = []
-    for task in sorted(process_tree(init_pid) - {init_pid}):
-        for fd in (1, 2):
-            link = f"/proc/{task}/fd/{fd}"
-            try:
-                target = os.readlink(link)
-                if not target.startswith("pipe:") or target in seen:
-                    continue
-                rfd = os.open(link, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-            except OSError:
-                continue
-            # The task may have put something else there since readlink; only a pipe
-            # is read (root's open of anything else would read what the user cannot).
-            if not stat.S_ISFIFO(os.fstat(rfd).st_mode):
-                os.close(rfd)
-                continue
-            seen.add(target)
-            reader = asyncio.StreamReader()
-            pipe = os.fdopen(rfd, "rb", buffering=0)
-            protocol = asyncio.StreamReaderProtocol(reader)
-            await loop.connect_read_pipe(lambda p=protocol: p, pipe)  # type: ignore[misc]
-            readers.append(reader)
-    return readers
 
 
 def _chunked(manifest: dict[str, Any]) -> bool:

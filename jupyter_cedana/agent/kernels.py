@@ -257,18 +257,6 @@ class KernelRecord:
             if stream is not None and isinstance(self.log, KernelLog):
                 self._spawn(drain(stream, self.log))
 
-    def attach_output(self, stream: asyncio.StreamReader) -> None:
-        """Drains another pipe into the log (a restored kernel's inherited stdout), for
-        a kernel whose output is a pipe. A kernel whose output is its file has no pipe
-        of the agent's: a pipe at its descriptor 1 or 2 is its own (ipykernel captures
-        both through pipes it reads itself), and reading it would take its output away."""
-        if isinstance(self.log, KernelOutput):
-            transport = getattr(stream, "_transport", None)
-            if transport is not None:
-                transport.close()
-            return
-        self._spawn(drain(stream, self.log))
-
     def _spawn(self, coro: Any) -> None:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
