@@ -107,6 +107,14 @@ engine_init=$(in_venv python -c \
   || fail "the checkpoint engine finds no cedana-init"
 [ "$engine_init" = "$pkg/bin/cedana-init" ] || fail "the engine uses $engine_init, not $pkg/bin/cedana-init"
 
+say "nothing the wheel installed is setuid, setgid or carries file capabilities"
+special=$(find "$V" -type f -perm /6000 2>/dev/null)
+[ -z "$special" ] || fail "setuid/setgid files from the wheel: $special"
+if command -v getcap >/dev/null; then
+  caps=$(getcap -r "$V" 2>/dev/null)
+  [ -z "$caps" ] || fail "files with capabilities from the wheel: $caps"
+fi
+
 say "the jupyter-cedana command runs"
 version=$(in_venv jupyter-cedana --version 2>&1) || fail "jupyter-cedana --version: $version"
 expected=$(basename "$wheel" | cut -d- -f2)
