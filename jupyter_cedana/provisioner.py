@@ -30,7 +30,7 @@ from jupyter_client.provisioning import LocalProvisioner
 from .adoption import claim_adoption
 from .checkpointing import Checkpointing
 from .errors import Conflict
-from .launch import check_executable, ipykernel_options, output_tail
+from .launch import check_executable, ipykernel_options, is_ipykernel, output_tail
 from .parkrecords import RECORD_FORMAT, HeldRecord, server_facts
 from .pids import KernelPids
 from .proctree import process_tree
@@ -86,6 +86,11 @@ class CedanaProvisioner(Checkpointing, TransitionMachine, LocalProvisioner):  # 
         env = dict(kw.pop("env", None) or os.environ)
         check_executable(cmd, env, kw.get("cwd"))
         cmd = ipykernel_options(cmd, history_in_memory=engine.ipython_history_in_memory)
+        if is_ipykernel(cmd):
+            # An interrupt while the kernel is still starting would kill it (Python's
+            # default SIGINT handler, before ipykernel ignores SIGINT); it is lost
+            # instead. A running cell is interrupted as before (cedana-init.c).
+            wrapped.append("--ignore-sigint")
         wrapped += ["--pidfile", str(pidfile), "--", *cmd]
         # ipykernel polls this PID and exits when it changes, which it does after a restore.
         env.pop("JPY_PARENT_PID", None)

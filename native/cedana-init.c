@@ -2,7 +2,7 @@
  * cedana-init: the process a checkpointable kernel runs under.
  *
  *   cedana-init [--pidns] [--pidfile PATH] [--die-with-parent [--parent-pid PID]] [--chdir DIR]
- *               [--pid-base N --pid-helper PATH]
+ *               [--pid-base N --pid-helper PATH] [--ignore-sigint]
  *               [--user UID --gid GID [--groups G1,G2] [--cwd DIR]] -- CMD ARGS...
  *   cedana-init --keeper PIDFILE [--die-with-parent [--parent-pid PID]] -- CMD ARGS...
  *
@@ -120,6 +120,14 @@ static void take_signals(sigset_t *set)
 	if (sigprocmask(SIG_BLOCK, set, NULL) < 0)
 		die("sigprocmask");
 }
+
+/*
+ * --ignore-sigint: the kernel starts with SIGINT ignored (a disposition exec keeps). An
+ * interrupt that comes while it is still starting is then lost instead of killing it;
+ * ipykernel ignores SIGINT once started anyway, and installs Python's handler itself
+ * around each request it handles, so a running cell is interrupted as before.
+ */
+static int ignore_sigint;
 
 static void reset_signals(void)
 {
@@ -348,12 +356,14 @@ static void own_proc(char **cmd, const char *chdir_to, char **user_args)
 	size_t nuser = 0;
 	while (user_args[nuser])
 		nuser++;
-	char **args = calloc(ncmd + nuser + 6, sizeof(*args));
+	char **args = calloc(ncmd + nuser + 7, sizeof(*args));
 	if (!args)
 		die("calloc");
 	size_t k = 0;
 	args[k++] = self;
 	args[k++] = "--ns-init";
+	if (ignore_sigint)
+		args[k++] = "--ignore-sigint";
 	if (chdir_to) {
 		args[k++] = "--chdir";
 		args[k++] = (char *)chdir_to;
@@ -467,6 +477,8 @@ static int run_init(char **argv, const sigset_t *set, int chdir_fd, const struct
 	if (kernel == 0) {
 		setpgid(0, 0);
 		reset_signals();
+		if (ignore_sigint)
+			signal(SIGINT, SIG_IGN);
 		if (user->set && chdir(user->cwd ? user->cwd : start_dir) < 0)
 			die(user->cwd ? user->cwd : start_dir);
 		execvp(argv[0], argv);
@@ -522,6 +534,8 @@ int main(int argc, char **argv)
 			ns_init = 1; /* internal: PID 1 again, in its mount namespace (own_proc) */
 		} else if (strcmp(argv[i], "--die-with-parent") == 0) {
 			die_with_parent = 1;
+		} else if (strcmp(argv[i], "--ignore-sigint") == 0) {
+			ignore_sigint = 1;
 		} else if (strcmp(argv[i], "--parent-pid") == 0 && i + 1 < argc) {
 			expected_parent = (pid_t)parse_id(argv[++i], "--parent-pid");
 		} else if (strcmp(argv[i], "--pidfile") == 0 && i + 1 < argc) {
@@ -561,7 +575,7 @@ int main(int argc, char **argv)
 	}
 	if (i >= argc) {
 		fprintf(stderr, "usage: cedana-init [--pidns] [--pidfile PATH] [--die-with-parent] "
-				"[--chdir DIR] [--pid-base N --pid-helper PATH]\n"
+				"[--chdir DIR] [--pid-base N --pid-helper PATH] [--ignore-sigint]\n"
 				"                   [--user UID --gid GID [--groups G,...] [--cwd DIR]] "
 				"-- CMD [ARGS...]\n"
 				"       cedana-init --keeper PIDFILE [--die-with-parent] -- CMD [ARGS...]\n");

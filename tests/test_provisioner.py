@@ -11,6 +11,7 @@ import signal
 import socket
 import stat
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -273,6 +274,95 @@ async def test_interrupt_refused_while_suspended_and_works_after(kernel) -> None
         reply = await kc.get_shell_msg(timeout=20)
     assert reply["content"]["status"] == "error"
     assert reply["content"]["ename"] == "KeyboardInterrupt"
+
+
+# A python3 kernel held before ipykernel starts, with Python's SIGINT handler (if any)
+# already installed: it says so by creating argv[1], then waits until argv[2] exists.
+HELD_KERNEL = """
+import os, runpy, sys, time
+open(sys.argv[1], "w").close()
+while not os.path.exists(sys.argv[2]):
+    time.sleep(0.01)
+sys.argv = ["ipykernel_launcher", *sys.argv[3:]]
+runpy.run_module("ipykernel_launcher", run_name="__main__")
+"""
+
+
+async def test_an_interrupt_while_the_kernel_starts_does_not_kill_it(
+    engine_config, tmp_path: Path
+) -> None:
+    """An interrupt that reaches a kernel still starting, before ipykernel ignores SIGINT
+    itself, used to kill it (Python's default handler: KeyboardInterrupt), as it does
+    under jupyter_client's own provisioner. The kernel is held at that point here: the
+    interrupt is lost, the kernel starts, and a running cell is still interrupted."""
+    from jupyter_client.kernelspec import KernelSpecManager
+    from jupyter_client.manager import AsyncKernelManager
+    from jupyter_client.provisioning import KernelProvisionerFactory
+
+    started, release = tmp_path / "started", tmp_path / "release"
+    spec = tmp_path / "kernels" / "held"
+    spec.mkdir(parents=True)
+    argv = [
+        sys.executable,
+        "-c",
+        HELD_KERNEL,
+        str(started),
+        str(release),
+        "-f",
+        "{connection_file}",
+    ]
+    (spec / "kernel.json").write_text(
+        json.dumps({"argv": argv, "display_name": "held", "language": "python"})
+    )
+    KernelProvisionerFactory.instance().default_provisioner_name = "cedana-provisioner"
+    km = AsyncKernelManager(
+        kernel_name="held",
+        kernel_spec_manager=KernelSpecManager(kernel_dirs=[str(tmp_path / "kernels")]),
+        config=engine_config,
+    )
+    await km.start_kernel(cwd=str(tmp_path))
+    try:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 60
+        while not started.exists():
+            assert loop.time() < deadline and await km.is_alive(), "the held kernel did not start"
+            await asyncio.sleep(0.01)
+        await km.interrupt_kernel()
+        release.touch()
+        kc = km.client()
+        kc.start_channels()
+        try:
+            await kc.wait_for_ready(timeout=60)
+            assert await km.is_alive()
+            msg_id = kc.execute("import time; print('started', flush=True); time.sleep(600)")
+            while True:
+                msg = await kc.get_iopub_msg(timeout=60)
+                if msg["msg_type"] == "stream" and msg["parent_header"].get("msg_id") == msg_id:
+                    break
+            await km.interrupt_kernel()
+            reply = await kc.get_shell_msg(timeout=20)
+            while reply["parent_header"].get("msg_id") != msg_id:
+                reply = await kc.get_shell_msg(timeout=20)
+            assert reply["content"]["ename"] == "KeyboardInterrupt"
+            assert await km.is_alive()
+        finally:
+            kc.stop_channels()
+    finally:
+        await km.shutdown_kernel(now=True)
+
+
+@pytest.mark.parametrize("flag", [True, False])
+def test_cedana_init_starts_a_command_with_sigint_ignored_on_request(flag: bool) -> None:
+    """What --ignore-sigint does, seen by the command it starts: SIGINT is ignored from
+    the command's first instruction (exec keeps an ignored disposition)."""
+    from jupyter_cedana.engine import CheckpointEngine
+
+    init = CheckpointEngine.instance().init_binary()
+    cmd = [init, *(["--ignore-sigint"] if flag else []), "--", "cat", "/proc/self/status"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=30, check=True).stdout
+    m = re.search(r"^SigIgn:\s*([0-9a-f]+)$", out, re.M)
+    assert m is not None, out
+    assert bool(int(m.group(1), 16) & (1 << (signal.SIGINT - 1))) == flag
 
 
 ORPHAN = (
