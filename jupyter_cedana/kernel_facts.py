@@ -12,6 +12,7 @@ import datetime as dt
 import time
 from typing import TYPE_CHECKING, Any, Protocol
 
+from .bases import Kernels
 from .policy import KernelFacts, SuspendPolicy
 
 if TYPE_CHECKING:
@@ -19,7 +20,7 @@ if TYPE_CHECKING:
     from .provisioner import CedanaProvisioner
 
 
-class FactSource(Protocol):
+class FactSource(Kernels, Protocol):
     """What the facts are read from: the manager (manager.SuspendManager), declared here
     so that the manager depends on this module and not the other way round."""
 
@@ -29,9 +30,6 @@ class FactSource(Protocol):
     def policy(self) -> SuspendPolicy: ...
     @property
     def gpu_monitor(self) -> Any: ...
-    @property
-    def kernel_manager(self) -> Any: ...
-    def provisioner_of(self, kernel: Any) -> CedanaProvisioner | None: ...
     def gpus_of(self, kernel_id: str) -> list[Any]: ...
     def keep_awake_until(self, kernel_id: str) -> float | None: ...
     def suspended_seconds(self, kernel_id: str, prov: CedanaProvisioner) -> float: ...
