@@ -134,11 +134,16 @@ class AgentClient:
         return await self.request("hello")
 
     async def launch(
-        self, kernel_id: str, argv: list[str], env: dict[str, str], cwd: str
+        self,
+        kernel_id: str,
+        argv: list[str],
+        env: dict[str, str],
+        cwd: str,
+        **options: Any,
     ) -> dict[str, Any]:
-        return await self.request(
-            "launch", {"kernel_id": kernel_id, "argv": argv, "env": env, "cwd": cwd}
-        )
+        """`options`: further launch arguments an agent understands (docs/agent.md)."""
+        args = {"kernel_id": kernel_id, "argv": argv, "env": env, "cwd": cwd, **options}
+        return await self.request("launch", args)
 
     async def list(self) -> list[dict[str, Any]]:
         kernels = (await self.request("list")).get("kernels", [])
@@ -168,6 +173,26 @@ class AgentClient:
 
     async def release(self, kernel_id: str) -> None:
         await self.request("release", {"kernel_id": kernel_id})
+
+    async def dump(
+        self, kernel_id: str, progress: ProgressCallback | None = None
+    ) -> dict[str, Any]:
+        """Checkpoint a running kernel into the agent's store; its process ends once the
+        image is durable. The result has `bytes` and `seconds`."""
+        return await self.request("dump", {"kernel_id": kernel_id}, progress)
+
+    async def restore(
+        self, kernel_id: str, lazy: bool = True, progress: ProgressCallback | None = None
+    ) -> dict[str, Any]:
+        """Restore a dumped kernel; the result has the new `pid` and whether it came back
+        `lazy` (its memory still coming in)."""
+        return await self.request("restore", {"kernel_id": kernel_id, "lazy": lazy}, progress)
+
+    async def discard(self, kernel_id: str) -> None:
+        await self.request("discard", {"kernel_id": kernel_id})
+
+    async def images(self) -> dict[str, Any]:
+        return await self.request("images")
 
     async def log(self, kernel_id: str, nbytes: int | None = None) -> str:
         args: dict[str, Any] = {"kernel_id": kernel_id}
