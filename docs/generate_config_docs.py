@@ -21,6 +21,7 @@ from traitlets.config import Configurable
 import jupyter_cedana
 from jupyter_cedana.app import CedanaApp
 from jupyter_cedana.backoff import SuspendBackoff
+from jupyter_cedana.checkpoint_agent import CheckpointAgent
 from jupyter_cedana.cuda import CudaCheckpointer
 from jupyter_cedana.engine import CheckpointEngine
 from jupyter_cedana.gpu import GpuMonitor
@@ -39,6 +40,7 @@ CLASSES: list[type[Configurable]] = [
     SuspendLimits,
     SuspendBackoff,
     KernelParking,
+    CheckpointAgent,
     CheckpointEngine,
     KernelPids,
     GpuMonitor,

@@ -13,6 +13,7 @@ from jupyter_server.services.kernels.connection.channels import ZMQChannelsWebso
 from tornado import web
 from traitlets import Bool, Unicode
 
+from .checkpoint_agent import agent_for
 from .engine import CheckpointEngine
 from .gate import KERNEL_ACTIONS, MessageGate
 from .handlers import handlers
@@ -70,6 +71,11 @@ class CedanaApp(ExtensionApp):
         engine = CheckpointEngine.instance(parent=self.serverapp)
         if self.checkpoint_root:
             engine.checkpoint_root = self.checkpoint_root
+        agent = agent_for(self.serverapp)
+        if agent is not None:
+            self.log.info(
+                "jupyter-cedana: kernels run under the checkpoint agent at %s", agent.socket
+            )
         info = engine.probe()
         if not info.available:
             self.log.warning("jupyter-cedana: checkpointing unavailable: %s", info.reason)

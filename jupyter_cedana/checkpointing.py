@@ -120,6 +120,8 @@ class Checkpointing(Restoring):
             )
 
     async def _dump(self, from_offload: bool) -> dict[str, Any]:
+        if self.remote is not None:
+            return await self._dump_at_agent()
         engine = self.engine
         engine.require()
         store = engine.store
@@ -153,6 +155,39 @@ class Checkpointing(Restoring):
         return await _uncancellable(
             self._commit_dump(tmp, pids, gpu, gpu_state, from_offload, dumped, t0)
         )
+
+    async def _dump_at_agent(self) -> dict[str, Any]:
+        """The agent checkpoints the kernel into its own store and ends its process once
+        the image is durable; on failure the kernel runs on, as here."""
+        assert self.remote is not None
+        t0 = time.monotonic()
+        self._refuse_unsaved_gpu_memory(process_tree(self.pid or 0))
+
+        def progress(update: dict[str, Any]) -> None:
+            done, total = update.get("done"), update.get("total")
+            self._set_progress(
+                str(update.get("phase") or "dump"),
+                done if isinstance(done, int) else None,
+                total if isinstance(total, int) else None,
+            )
+
+        dumped = await self.remote.dump(progress)
+        # Nothing to cancel from here: the image is the agent's and the process is gone.
+        self.process = None
+        self.pid = None
+        self.tier = "disk"
+        self.suspended_at = time.time()
+        self.last_suspend_seconds = time.monotonic() - t0
+        self.checkpoint_bytes = int(dumped.get("bytes") or 0)
+        self._reserve_ports()
+        self._set_state(KernelState.suspended)
+        self.log.info(
+            "Suspended kernel %s through the checkpoint agent in %.2f s (%d bytes)",
+            self.kernel_id,
+            self.last_suspend_seconds,
+            self.checkpoint_bytes,
+        )
+        return self.summary()
 
     def _base_for(self, tmp: Any) -> PageIndex | None:
         """The kernel's kept image, linked into `tmp`, with the index of its pages, for

@@ -26,8 +26,10 @@ from typing import Any
 from jupyter_client.connect import KernelConnectionInfo
 from jupyter_client.launcher import launch_kernel
 from jupyter_client.provisioning import LocalProvisioner
+from traitlets import TraitError
 
 from .adoption import claim_adoption
+from .checkpoint_agent import AgentKernel, CheckpointAgent, agent_for
 from .checkpointing import Checkpointing
 from .errors import Conflict
 from .launch import check_executable, ipykernel_options, is_ipykernel, output_tail
@@ -52,14 +54,22 @@ class CedanaProvisioner(Checkpointing, TransitionMachine, LocalProvisioner):  # 
         self._chores: set[asyncio.Future[Any]] = set()
         self._exit_told: Any = None  # the process whose exit was logged
         self._record: HeldRecord | None = None  # while suspended to disk (or failed with it)
+        # The kernel at the checkpoint agent, when one is configured (checkpoint_agent.py).
+        self.remote: AgentKernel | None = None
+        self._record_closed = False  # shut down: no record of it may be written again
+        self.add_listener(_keep_agent_record)
 
     # -- plumbing -------------------------------------------------------------------------
 
     @property
     def holds_image(self) -> bool:
-        return self.state in (KernelState.suspended, KernelState.resuming) or (
-            self.state == KernelState.failed and self.engine.store.exists(self.kernel_id_str)
-        )
+        if self.state in (KernelState.suspended, KernelState.resuming):
+            return True
+        if self.state != KernelState.failed:
+            return False
+        if self.remote is not None:
+            return self.remote.has_image
+        return self.engine.store.exists(self.kernel_id_str)
 
     # -- launch ---------------------------------------------------------------------------
 
@@ -67,6 +77,9 @@ class CedanaProvisioner(Checkpointing, TransitionMachine, LocalProvisioner):  # 
         adopted = await claim_adoption(self)  # a kernel parked by an earlier server: no launch
         if adopted is not None:
             return adopted
+        agent = agent_for(self.parent)
+        if agent is not None:
+            return await self._launch_at_agent(agent, cmd, kwargs)
         engine = self.engine
         store = engine.store
         store.ensure_root()
@@ -112,6 +125,75 @@ class CedanaProvisioner(Checkpointing, TransitionMachine, LocalProvisioner):  # 
         self.reason = None
         return self.connection_info
 
+    async def _launch_at_agent(
+        self, agent: CheckpointAgent, cmd: list[str], kwargs: dict[str, Any]
+    ) -> KernelConnectionInfo:
+        """The agent launches the kernel, as this server's user, under its cedana-init."""
+        kw = LocalProvisioner._scrub_kwargs(kwargs)
+        env = dict(kw.pop("env", None) or os.environ)
+        cwd = str(Path(kw.get("cwd") or Path.cwd()).resolve())
+        check_executable(cmd, env, cwd)
+        cmd = ipykernel_options(cmd, history_in_memory=self.engine.ipython_history_in_memory)
+        remote = agent.kernel(self.kernel_id_str)
+        info = dict(self.connection_info)
+        key = info.get("key", b"")
+        info["key"] = key.decode() if isinstance(key, bytes) else str(key)
+        meta = {"kernel_name": self._spec_name(), "connection_info": info, "cwd": cwd}
+        self.pid = await remote.launch(cmd, env, cwd, ignore_sigint=is_ipykernel(cmd), meta=meta)
+        self.remote = remote
+        self.process = remote
+        self.pgid = None
+        self.cwd = cwd
+        self.state = KernelState.running
+        self.reason = None
+        self._record_closed = False
+        await self.write_agent_record()
+        return self.connection_info
+
+    def attach_at_agent(self, remote: AgentKernel, pid: int | None) -> None:
+        """Adoption: a kernel the agent holds for this uid becomes this one, running as
+        `pid` (its init) or, with None, dumped there."""
+        self.remote = remote
+        if pid:
+            remote.pid = pid
+            self.process = remote
+            self.pid = pid
+        else:
+            remote.has_image = True
+            self.process = None
+        self._record_closed = False
+
+    def refresh_agent_record(self) -> None:
+        """Write the record once the transition in flight, if any, has ended."""
+        inflight = self._inflight[1] if self._inflight is not None else None
+
+        async def after_transition() -> None:
+            if inflight is not None:
+                with contextlib.suppress(BaseException):
+                    await asyncio.shield(inflight)
+            await self.write_agent_record()
+
+        self._background(after_transition())
+
+    async def write_agent_record(self) -> None:
+        """A kernel at the agent has its record while this server holds it, running or
+        not: a server killed outright leaves it to the next one, which finds the kernel
+        (running on, or dumped) at the agent. Without a record the kernel would run on
+        with nobody to reach it; the agent suspends it when its grace period ends."""
+        if self.remote is None or self._record_closed:
+            return
+        if self.state not in (KernelState.running, KernelState.suspended):
+            return
+        try:
+            self.hold_record(await self.record())
+        except Exception as e:
+            self.log.warning(
+                "Kernel %s: its record could not be written (%s): a server killed now "
+                "would not find it at the checkpoint agent again",
+                self.kernel_id,
+                e,
+            )
+
     @staticmethod
     async def _read_pidfile(pidfile: Path, proc: subprocess.Popen[bytes]) -> int:
         deadline = time.monotonic() + 30
@@ -135,6 +217,8 @@ class CedanaProvisioner(Checkpointing, TransitionMachine, LocalProvisioner):  # 
         return self.process is not None or self.holds_image
 
     async def poll(self) -> int | None:
+        if self.remote is not None and self.state == KernelState.running:
+            await self.remote.refresh()
         if self._offloaded_process_died():
             return self.process.poll() if self.process is not None else 0
         if self.state != KernelState.running or self.holds_image:
@@ -143,15 +227,18 @@ class CedanaProvisioner(Checkpointing, TransitionMachine, LocalProvisioner):  # 
             code = self.process.poll()
             if code is not None and self._exit_told is not self.process:
                 self._exit_told = self.process
-                self._tell_exit(code)
+                await self._tell_exit(code)
             return code
         return 0
 
-    def _tell_exit(self, code: int) -> None:
+    async def _tell_exit(self, code: int) -> None:
         """A kernel that dies unasked: its last output goes to the server's log."""
         if getattr(self.parent, "shutting_down", False):
             return
-        tail = output_tail(self.engine.store.log_path(self.kernel_id_str))
+        if self.remote is not None:
+            tail = await self.remote.output_tail()
+        else:
+            tail = output_tail(self.engine.store.log_path(self.kernel_id_str))
         self.log.warning(
             "Kernel %s exited with status %s. The end of its output:\n%s",
             self.kernel_id,
@@ -199,6 +286,9 @@ class CedanaProvisioner(Checkpointing, TransitionMachine, LocalProvisioner):  # 
             )
         if not self.pid:
             return
+        if self.remote is not None:
+            await self.remote.signal(signum)
+            return
         if signum == signal.SIGKILL and not self.engine.pidns:
             # Without a PID namespace, killing the init would orphan the kernel.
             for pid in sorted(process_tree(self.pid or 0), reverse=True):
@@ -243,6 +333,8 @@ class CedanaProvisioner(Checkpointing, TransitionMachine, LocalProvisioner):  # 
         if self.state == KernelState.running or self._inflight is not None:
             return False
         self.log.info("Discarding the checkpoint of kernel %s", self.kernel_id)
+        if self.remote is not None:
+            self._background(self.remote.discard())
         if self._keeps_process() and self.pid:
             # An offloaded kernel keeps its process (GPU memory moved into host memory).
             self._kill_tree(self.pid)
@@ -250,6 +342,7 @@ class CedanaProvisioner(Checkpointing, TransitionMachine, LocalProvisioner):  # 
                 with contextlib.suppress(Exception):
                     self.process.wait(10)
         self.engine.store.remove(self.kernel_id_str)
+        self._record_closed = True
         self._drop_record()
         self._release_ports()
         self.process = None
@@ -264,10 +357,13 @@ class CedanaProvisioner(Checkpointing, TransitionMachine, LocalProvisioner):  # 
         await self._abort_for_shutdown(restart)
         self._discard_if_suspended()
         self._release_ports()
+        if self.remote is not None:
+            await self.remote.release()
         if not restart:
             store = self.engine.store
             with contextlib.suppress(Exception):
                 store.remove(self.kernel_id_str)
+            self._record_closed = True
             self._drop_record()
         # An image being deleted in the background (after a resume) is not left half gone
         # by a server that stops right after.
@@ -307,7 +403,9 @@ class CedanaProvisioner(Checkpointing, TransitionMachine, LocalProvisioner):  # 
         provisioner.pop("connection_info", None)  # saved once, above, with the key as text
         if suspended_at is not None:
             provisioner["cedana_suspended_at"] = suspended_at
-        last = getattr(km, "last_activity", None)
+        last = None
+        with contextlib.suppress(TraitError):  # unset while the kernel is being launched
+            last = getattr(km, "last_activity", None)
         facts = await server_facts(self.kernel_id_str)
         return {
             "format": RECORD_FORMAT,
@@ -419,3 +517,9 @@ class CedanaProvisioner(Checkpointing, TransitionMachine, LocalProvisioner):  # 
         for s in self._reserved:
             s.close()
         self._reserved = []
+
+
+def _keep_agent_record(prov: Any, what: str) -> None:
+    """A kernel at the agent that becomes running or suspended gets its record anew."""
+    if what == "state" and prov.remote is not None:
+        prov.refresh_agent_record()

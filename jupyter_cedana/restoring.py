@@ -22,6 +22,7 @@ from typing import Any
 
 from . import lazy, readahead
 from .checkpoint import MANIFEST
+from .checkpoint_agent import AgentKernel
 from .crimg import ImageError
 from .cuda import CudaStateLeft
 from .engine import CheckpointEngine, kill_restore
@@ -69,6 +70,7 @@ class Restoring(GpuSteps):
     # committed (the checkpoint budget; set by the suspend manager).
     image_guard: Callable[[str, int], None] | None = None
     _loading: asyncio.Future[None] | None = None  # a lazy restore's pages coming in
+    remote: AgentKernel | None = None  # the kernel at the checkpoint agent, if one is used
 
     @functools.cached_property
     def engine(self) -> CheckpointEngine:
@@ -165,6 +167,8 @@ class Restoring(GpuSteps):
             return await self._resume_offload()
         if self.state == KernelState.failed and self._gpu_lost:
             raise Conflict(f"Kernel {self.kernel_id} cannot be resumed: {self.reason}; restart it")
+        if self.remote is not None:
+            return await self._resume_at_agent()
         engine = self.engine
         engine.require()
         store = engine.store
@@ -306,6 +310,37 @@ class Restoring(GpuSteps):
         if pages is None:
             self.work_lost_after = None  # told (the state's reason); nothing can fail
         self.log.info("Resumed kernel %s in %.2f s (pid %s)", kid, self.last_resume_seconds, pid)
+        return self.summary()
+
+    async def _resume_at_agent(self) -> dict[str, Any]:
+        """The agent restores the kernel from its image (lazily where it can: the
+        kernel runs while its memory comes in); a failure keeps the image there."""
+        assert self.remote is not None
+        kid = self.kernel_id_str
+        previous = self.state
+        self._set_state(KernelState.resuming)
+        self._set_progress("restore", None, self.checkpoint_bytes or None)
+        t0 = time.monotonic()
+        self._release_ports()
+        try:
+            pid = await self.remote.restore(lazy=self.engine.lazy_restore)
+        except BaseException as e:
+            self._reserve_ports()
+            self._fail_resume(kid, previous, e)
+            raise self._as_resume_error(kid, e) from e
+        self.process = self.remote
+        self.pid = pid
+        self.last_resume_seconds = time.monotonic() - t0
+        self.tier = None
+        self.suspended_at = None
+        self.resumed_at = time.time()
+        self._set_state(KernelState.running)
+        self.log.info(
+            "Resumed kernel %s through the checkpoint agent in %.2f s (pid %s)",
+            kid,
+            self.last_resume_seconds,
+            pid,
+        )
         return self.summary()
 
     @staticmethod

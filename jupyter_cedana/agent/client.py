@@ -45,6 +45,11 @@ class AgentClient:
         reader, writer = await asyncio.open_unix_connection(path, limit=protocol.MAX_RESPONSE + 8)
         return cls(reader, writer)
 
+    @property
+    def closed(self) -> bool:
+        """The connection ended (the agent closed it, or went away)."""
+        return self._closed is not None or self._writer.is_closing()
+
     async def __aenter__(self) -> AgentClient:
         return self
 
