@@ -34,7 +34,6 @@ from .checkpointing import Checkpointing
 from .errors import Conflict
 from .launch import check_executable, ipykernel_options, is_ipykernel, output_tail
 from .parkrecords import RECORD_FORMAT, HeldRecord, server_facts
-from .pids import KernelPids
 from .proctree import process_tree
 from .transitions import KernelState, Listener, Progress, TransitionMachine
 
@@ -80,6 +79,13 @@ class CedanaProvisioner(Checkpointing, TransitionMachine, LocalProvisioner):  # 
         agent = agent_for(self.parent)
         if agent is not None:
             return await self._launch_at_agent(agent, cmd, kwargs)
+        if os.geteuid() != 0:
+            # Not root and no agent: nothing here can checkpoint (engine.py says why),
+            # so the kernel runs as the stock provisioner runs it.
+            connection_info = await LocalProvisioner.launch_kernel(self, cmd, **kwargs)
+            self.state = KernelState.running
+            self.reason = None
+            return connection_info
         engine = self.engine
         store = engine.store
         store.ensure_root()
@@ -88,8 +94,6 @@ class CedanaProvisioner(Checkpointing, TransitionMachine, LocalProvisioner):  # 
         wrapped = [engine.init_binary()]
         if engine.pidns:
             wrapped.append("--pidns")
-        else:
-            wrapped += KernelPids(parent=engine).launch_args()
         if engine.kernels_die_with_server:
             wrapped += ["--die-with-parent", "--parent-pid", str(os.getpid())]
         # The init leaves the user's directory for a private one of ours (cedana-init.c:
