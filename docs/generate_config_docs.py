@@ -27,7 +27,6 @@ from jupyter_cedana.engine import CheckpointEngine
 from jupyter_cedana.gpu import GpuMonitor
 from jupyter_cedana.limits import SuspendLimits
 from jupyter_cedana.parking import KernelParking
-from jupyter_cedana.pids import KernelPids
 from jupyter_cedana.policy import SuspendPolicy
 
 DOCS = Path(__file__).resolve().parent
@@ -42,7 +41,6 @@ CLASSES: list[type[Configurable]] = [
     KernelParking,
     CheckpointAgent,
     CheckpointEngine,
-    KernelPids,
     GpuMonitor,
     CudaCheckpointer,
 ]

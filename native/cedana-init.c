@@ -2,7 +2,7 @@
  * cedana-init: the process a checkpointable kernel runs under.
  *
  *   cedana-init [--pidns] [--pidfile PATH] [--die-with-parent [--parent-pid PID]] [--chdir DIR]
- *               [--pid-base N --pid-helper PATH] [--ignore-sigint]
+ *               [--ignore-sigint]
  *               [--user UID --gid GID [--groups G1,G2] [--cwd DIR]] -- CMD ARGS...
  *   cedana-init --keeper PIDFILE [--die-with-parent [--parent-pid PID]] -- CMD ARGS...
  *
@@ -54,12 +54,6 @@
  * user's: a CRIU whose real uid and gid are the user's can read their resource limits
  * (prlimit) without CAP_SYS_RESOURCE, which root lacks in some containers. Any step
  * that fails stops the launch (exit 127).
- *
- * --pid-base N --pid-helper PATH (without --pidns): before forking the init, run
- * PATH N (cedana-pidbase, which holds cap_checkpoint_restore) to move the PID cursor to N
- * when it is below: the kernel's PIDs then lie above N, away from the low PIDs a freshly
- * started server takes, so that its image can be restored there. Best effort: a helper
- * that fails only means ordinary PIDs.
  */
 #define _GNU_SOURCE
 #include <dirent.h>
@@ -498,27 +492,11 @@ static int run_init(char **argv, const sigset_t *set, int chdir_fd, const struct
 	return code;
 }
 
-/* Runs the capability-holding helper that raises the PID cursor; see --pid-base. */
-static void raise_pid_cursor(const char *helper, const char *base)
-{
-	pid_t pid = fork();
-	if (pid < 0)
-		return;
-	if (pid == 0) {
-		reset_signals();
-		execl(helper, helper, base, (char *)NULL);
-		_exit(127);
-	}
-	int status;
-	while (waitpid(pid, &status, 0) < 0 && errno == EINTR)
-		;
-}
-
 int main(int argc, char **argv)
 {
 	int pidns = 0, die_with_parent = 0, ns_init = 0;
 	pid_t expected_parent = 0;
-	const char *pidfile = NULL, *keeper = NULL, *pid_base = NULL, *pid_helper = NULL;
+	const char *pidfile = NULL, *keeper = NULL;
 	const char *chdir_to = NULL;
 	struct user user;
 	memset(&user, 0, sizeof(user));
@@ -542,10 +520,6 @@ int main(int argc, char **argv)
 			pidfile = argv[++i];
 		} else if (strcmp(argv[i], "--keeper") == 0 && i + 1 < argc) {
 			keeper = argv[++i];
-		} else if (strcmp(argv[i], "--pid-base") == 0 && i + 1 < argc) {
-			pid_base = argv[++i];
-		} else if (strcmp(argv[i], "--pid-helper") == 0 && i + 1 < argc) {
-			pid_helper = argv[++i];
 		} else if (strcmp(argv[i], "--chdir") == 0 && i + 1 < argc) {
 			chdir_to = argv[++i];
 		} else if ((strcmp(argv[i], "--user") == 0 || strcmp(argv[i], "--gid") == 0 ||
@@ -575,7 +549,7 @@ int main(int argc, char **argv)
 	}
 	if (i >= argc) {
 		fprintf(stderr, "usage: cedana-init [--pidns] [--pidfile PATH] [--die-with-parent] "
-				"[--chdir DIR] [--pid-base N --pid-helper PATH] [--ignore-sigint]\n"
+				"[--chdir DIR] [--ignore-sigint]\n"
 				"                   [--user UID --gid GID [--groups G,...] [--cwd DIR]] "
 				"-- CMD [ARGS...]\n"
 				"       cedana-init --keeper PIDFILE [--die-with-parent] -- CMD [ARGS...]\n");
@@ -627,8 +601,6 @@ int main(int argc, char **argv)
 	}
 	if (pidns && unshare(CLONE_NEWPID) < 0)
 		die("unshare(CLONE_NEWPID)");
-	if (!pidns && pid_base && pid_helper)
-		raise_pid_cursor(pid_helper, pid_base);
 	pid_t init = fork();
 	if (init < 0)
 		die("fork");

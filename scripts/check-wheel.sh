@@ -12,7 +12,7 @@
 #     websocket then resumes it with its state.
 # Dependencies come from the package index, through pip's usual cache. Exits non-zero with a
 # message on the first failure; removes the server and every temp file in any case.
-# Needs checkpointing to work here (CRIU >= 4.2; root, or scripts/grant-criu-caps.sh).
+# Needs checkpointing to work here (CRIU >= 4.2, as root).
 # Usage: scripts/check-wheel.sh [WHEEL]   (default: the manylinux wheel in dist/)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -93,7 +93,7 @@ grep -E "jupyter-cedana .*enabled.*OK" <<<"$out" >/dev/null \
 
 say "the native helpers are in the package and run"
 pkg=$(dirname "$where")
-for helper in cedana-init cedana-pages cedana-pidbase cedana-cuda; do
+for helper in cedana-init cedana-pages cedana-cuda; do
   exe=$pkg/bin/$helper
   [ -f "$exe" ] && [ -x "$exe" ] || fail "$exe is missing or not executable"
   # Without arguments each one prints its usage and exits 2: it loaded and ran.

@@ -1,6 +1,6 @@
-"""Kernels without a PID namespace (as on a non-root server, here forced as root so that
-the tests can steer PIDs): they start above the PID base, the image records their task
-ids, and a restore whose PIDs are taken fails before CRIU runs, keeping the image."""
+"""Kernels of a root server without a PID namespace (`CheckpointEngine.use_pid_namespace`
+off): the image records their task ids, and a restore whose PIDs are taken fails before
+CRIU runs, keeping the image."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import pytest
 from traitlets.config import Config
 
 from jupyter_cedana.errors import ResumeFailed
-from jupyter_cedana.pids import KernelPids, check_free, task_ids
+from jupyter_cedana.pids import check_free, task_ids
 from jupyter_cedana.provisioner import KernelState
 from tests.conftest import kernel_pids, run, wait_iopub
 
@@ -32,23 +32,11 @@ def engine_config(checkpoint_root: Path) -> Config:
     return c
 
 
-def _set_cursor(value: int) -> None:
-    # The same lock CRIU and cedana-pidbase take around their use of the cursor.
-    with open(LAST_PID, "r+") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        f.write(str(value))
-
-
-@pytest.fixture
-def low_cursor() -> None:
-    """Start from a PID cursor below the base, as in a fresh pod or after a wrap."""
-    _set_cursor(1000)
-
-
 def take_pid(pid: int, attempts: int = 200) -> subprocess.Popen[bytes]:
     """A process holding exactly `pid` (other processes on a busy machine may fork between
     the cursor write and ours: try again)."""
     for _ in range(attempts):
+        # The same lock CRIU takes around its use of the cursor.
         with open(LAST_PID, "r+") as f:
             fcntl.flock(f, fcntl.LOCK_EX)
             f.write(str(pid - 1))
@@ -73,22 +61,6 @@ def squatters() -> Iterator[list[subprocess.Popen[bytes]]]:
     for p in held:
         p.kill()
         p.wait()
-
-
-async def test_kernels_start_above_the_pid_base(low_cursor, kernel) -> None:
-    prov = kernel.provisioner
-    assert not prov.engine.pidns
-    base = KernelPids(parent=prov.engine).base()
-    assert base > 1000  # half of pid_max
-    ids = task_ids(prov.pid)
-    assert len(ids) >= 3  # init, kernel and its threads
-    assert all(base < t < base + 1000 for t in ids), (base, ids)
-
-
-def test_pid_base_off_or_without_helper() -> None:
-    assert KernelPids(pid_base=0).launch_args() == []
-    assert KernelPids(helper_path="/nonexistent/cedana-pidbase").launch_args() == []
-    assert KernelPids(pid_base=5000).launch_args()[:2] == ["--pid-base", "5000"]
 
 
 async def test_restore_refused_while_its_pids_are_taken(
