@@ -3,26 +3,21 @@
 Every CRIU run first probes the kernel's features (memfd, userfaultfd, TCP repair, mount
 and network namespaces...): about 30 ms of every dump and every restore on our machines.
 CRIU keeps the answers between runs only in a file on a tmpfs, so that they are gone
-after a reboot: /run/criu.kdat as root, $XDG_RUNTIME_DIR/criu.kdat with --unprivileged.
-Where /run is not a tmpfs (many containers), every run probes again; CRIU 4.2 then also
-leaves its temporary file behind, and says nothing more.
+after a reboot: /run/criu.kdat for the root CRIU that a root server runs. Where /run is
+not a tmpfs (many containers), every run probes again; CRIU 4.2 then also leaves its
+temporary file behind, and says nothing more.
 
-As root only the host can mend that (a tmpfs on /run; docs/deployment.md), so the server
-says so once at start and in /status. An unprivileged CRIU is pointed at a directory of
-ours on /dev/shm when the user's own runtime directory is missing or not a tmpfs.
+Only the host can mend that (a tmpfs on /run; docs/deployment.md), so the server says so
+once at start and in /status.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
-import stat
 import time
-from collections.abc import Mapping
 from pathlib import Path
 
 ROOT_DIR = "/run"
-SHM = "/dev/shm"
 CACHE = "criu.kdat"
 STALE_TMP_S = 60.0  # CRIU writes the file in microseconds
 
@@ -62,16 +57,9 @@ def _unescape(field: str) -> str:
     return field
 
 
-def cache_dir(unprivileged: bool, env: Mapping[str, str]) -> str | None:
-    """The directory CRIU keeps its probe in (None: it has none)."""
-    return env.get("XDG_RUNTIME_DIR") if unprivileged else ROOT_DIR
-
-
-def problem(unprivileged: bool, env: Mapping[str, str]) -> str | None:
-    """Why CRIU probes the kernel again on every run here (None: it keeps its probe)."""
-    where = cache_dir(unprivileged, env)
-    if not where:
-        return "XDG_RUNTIME_DIR is not set"
+def problem(where: str = ROOT_DIR) -> str | None:
+    """Why CRIU probes the kernel again on every run, keeping its probe in `where` (None:
+    it keeps it)."""
     kind = fs_type(where)
     if kind != "tmpfs":
         return f"{where} is {kind or 'of an unknown file system'}, not a tmpfs"
@@ -86,42 +74,3 @@ def problem(unprivileged: bool, env: Mapping[str, str]) -> str | None:
     if age > STALE_TMP_S and not os.path.exists(cache):
         return f"{tmp}, left by an interrupted CRIU run, keeps CRIU from writing {cache}"
     return None
-
-
-def own_shm_dir(uid: int, shm: str = SHM) -> str | None:
-    """A directory only `uid` can use, on the tmpfs at `shm`: made if missing; None if
-    that is no tmpfs, or what is there is not ours (a world-writable place)."""
-    if fs_type(shm) != "tmpfs":
-        return None
-    path = os.path.join(shm, f"cedana-criu-{uid}")
-    try:
-        os.mkdir(path, 0o700)
-    except FileExistsError:
-        pass
-    except OSError:
-        return None
-    try:
-        st = os.lstat(path)
-    except OSError:
-        return None
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != uid or st.st_mode & 0o077:
-        return None
-    return path
-
-
-def criu_env(
-    unprivileged: bool, env: Mapping[str, str] | None = None, shm: str = SHM
-) -> dict[str, str] | None:
-    """The environment for CRIU runs: None (ours) unless an unprivileged CRIU would
-    otherwise have no tmpfs to keep its probe in."""
-    env = os.environ if env is None else env
-    if not unprivileged or problem(True, env) is None:
-        return None
-    mine = own_shm_dir(os.geteuid(), shm)
-    if mine is None:
-        return None
-    ours = {**env, "XDG_RUNTIME_DIR": mine}
-    if problem(True, ours) is not None:  # a stale .tmp, in a directory only we use
-        with contextlib.suppress(OSError):
-            os.unlink(os.path.join(mine, CACHE + ".tmp"))
-    return ours

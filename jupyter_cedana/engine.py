@@ -32,8 +32,12 @@ from .incremental import PageIndex
 from .procmount import MOUNT_NS_ARGS, dump_turn
 
 MIN_CRIU = (4, 2)
-# Where scripts/grant-criu-caps.sh puts the copy of criu that carries file capabilities.
-GRANTED_CRIU = "/usr/local/lib/cedana/criu"
+# A server that is not root runs no CRIU: a CRIU that could checkpoint its kernels would
+# need capabilities that every notebook of that user could then use.
+NOT_ROOT = (
+    "this server is not root; it checkpoints through the checkpoint agent "
+    "(set CheckpointAgent.socket, see docs/agent.md)"
+)
 _PACKAGE_BIN = Path(__file__).parent / "bin"
 _NO_PLUGINS = Path(__file__).parent / "criu_plugins"  # holds no .so: CRIU loads nothing
 
@@ -61,10 +65,10 @@ class CheckpointEngine(SingletonConfigurable):
 
     criu_path = Unicode(
         "",
-        help="Path of the criu binary (4.2 or newer). Empty: the first of "
-        "/usr/local/lib/cedana/criu (scripts/grant-criu-caps.sh), /usr/local/sbin/criu, "
-        "/usr/sbin/criu and criu on PATH that is new enough (and, without root, carries "
-        "cap_checkpoint_restore).",
+        help="Path of the criu binary (4.2 or newer), run by a root server. Empty: the first "
+        "of /usr/local/sbin/criu, /usr/sbin/criu and criu on PATH that is new enough. A "
+        "server that is not root runs no CRIU: it checkpoints through the checkpoint agent "
+        "(CheckpointAgent.socket).",
     ).tag(config=True)
 
     init_path = Unicode(
@@ -91,10 +95,8 @@ class CheckpointEngine(SingletonConfigurable):
         help="Resume a kernel before its memory is read: it runs as soon as CRIU has "
         "restored its processes, and its memory pages are loaded on demand and in the "
         "background (userfaultfd), each chunk checked against its checksum before the "
-        "kernel sees it. Used where `criu check --feature uffd-noncoop` says it works (as "
-        "root; CRIU 4.2 ignores userfaultfd with --unprivileged, so non-root servers restore "
-        "whole); images without chunk checksums (format 1) and GPU checkpoints are restored "
-        "whole.",
+        "kernel sees it. Used where `criu check --feature uffd-noncoop` says it works; "
+        "images without chunk checksums (format 1) and GPU checkpoints are restored whole.",
     ).tag(config=True)
 
     lazy_restore_min_bytes = Integer(
@@ -229,25 +231,19 @@ class CheckpointEngine(SingletonConfigurable):
     _monitor: Any = None
     _cuda: Any = None
     _cuda_started = False
-    _criu_env: dict[str, str] | None = None
-    _criu_env_set = False
     _criu_problem: tuple[str | None] | None = None
 
     def criu_env(self) -> dict[str, str] | None:
-        """The environment of our CRIU runs (None: the server's); see criucache."""
-        if not self._criu_env_set:
-            self._criu_env = criucache.criu_env(os.geteuid() != 0)
-            self._criu_env_set = True
-        return self._criu_env
+        """The environment of our CRIU runs (None: the server's, root's); the checkpoint
+        agent's engine gives its CRIU a fixed one."""
+        return None
 
     def criu_cache_problem(self) -> str | None:
         """Why CRIU probes the Linux kernel again on every run here (None: it need not).
         Looked at once: the start-up log and every /status (the sidebar polls it) say
         the same, and mounts do not change under a running server."""
         if self._criu_problem is None:
-            self._criu_problem = (
-                criucache.problem(os.geteuid() != 0, self.criu_env() or os.environ),
-            )
+            self._criu_problem = (criucache.problem(),)
         return self._criu_problem[0]
 
     def gpu_monitor(self) -> Any:
@@ -361,15 +357,13 @@ class CheckpointEngine(SingletonConfigurable):
             return self.probe_through()
         if self._info is not None and not refresh:
             return self._info
+        if os.geteuid() != 0:
+            self._info = EngineInfo(False, NOT_ROOT, None, None, False)
+            return self._info
         candidates = (
             [self.criu_path]
             if self.criu_path
-            else [
-                GRANTED_CRIU,
-                "/usr/local/sbin/criu",
-                "/usr/sbin/criu",
-                shutil.which("criu") or "",
-            ]
+            else ["/usr/local/sbin/criu", "/usr/sbin/criu", shutil.which("criu") or ""]
         )
         reason = "criu not found (install CRIU 4.2 or newer: scripts/install-criu.sh)"
         info = EngineInfo(False, reason, None, None, self.pidns)
@@ -394,14 +388,6 @@ class CheckpointEngine(SingletonConfigurable):
                     "(older versions fail to dump kernels with TCP sockets)"
                 )
                 continue
-            if os.geteuid() != 0:
-                caps = _file_caps(cand)
-                if "cap_checkpoint_restore" not in caps and "cap_sys_admin" not in caps:
-                    info.reason = (
-                        f"not running as root and {cand} has no "
-                        "cap_checkpoint_restore capability (see docs/deployment.md)"
-                    )
-                    continue
             info = EngineInfo(True, None, cand, version, self.pidns)
             break
         self._info = info
@@ -414,10 +400,7 @@ class CheckpointEngine(SingletonConfigurable):
         return info
 
     def base_args(self, info: EngineInfo) -> list[str]:
-        args = [info.criu_path or "criu"]
-        if os.geteuid() != 0:
-            args.append("--unprivileged")
-        return args
+        return [info.criu_path or "criu"]
 
     def dump_command_prefix(self, owner: tuple[int, int] | None) -> list[str]:
         """What runs the dump's CRIU for the tree of `owner` (uid, gid): nothing here;
@@ -537,14 +520,3 @@ def kill_restore(proc: subprocess.Popen[bytes]) -> None:
     with contextlib.suppress(ProcessLookupError):
         proc.kill()
     proc.wait()
-
-
-def _file_caps(path: str) -> str:
-    # An ordinary user's PATH often lacks the sbin directories.
-    getcap = shutil.which("getcap", path=f"{os.environ.get('PATH', '')}:/usr/sbin:/sbin")
-    if not getcap or not path:
-        return ""
-    try:
-        return subprocess.run([getcap, path], capture_output=True, text=True, timeout=5).stdout
-    except (OSError, subprocess.SubprocessError):
-        return ""

@@ -1,12 +1,12 @@
 """Where CRIU keeps its probe of the Linux kernel (criucache.py): the file system of a
-path read from mountinfo, the reason given when CRIU cannot keep it, and the directory of
-ours an unprivileged CRIU is given on /dev/shm (and refused if someone else made it)."""
+path read from mountinfo, and the reason given when CRIU cannot keep it."""
 
 from __future__ import annotations
 
 import os
 import shutil
-import uuid
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -41,71 +41,29 @@ def test_the_innermost_and_topmost_mount_decides(mountinfo: str) -> None:
 
 
 def test_the_problem_is_named() -> None:
-    where = criucache.cache_dir(False, {})
-    assert where == "/run"
-    got = criucache.problem(False, {})
+    got = criucache.problem()
     if criucache.fs_type("/run") == "tmpfs":
         assert got is None or "interrupted CRIU run" in got
     else:
         assert got and got.startswith("/run is ") and got.endswith("not a tmpfs")
-    assert criucache.problem(True, {}) == "XDG_RUNTIME_DIR is not set"
-    shm = criucache.problem(True, {"XDG_RUNTIME_DIR": "/dev/shm"})
-    assert shm is None or "not a tmpfs" in shm
+    assert criucache.problem("/proc") == "/proc is proc, not a tmpfs"
 
 
 @pytest.fixture
-def shm() -> Path:
-    if criucache.fs_type(criucache.SHM) != "tmpfs":
+def tmpfs_dir() -> Iterator[Path]:
+    if criucache.fs_type("/dev/shm") != "tmpfs":
         pytest.skip("/dev/shm is not a tmpfs here")
-    place = Path(criucache.SHM) / f"cedana-test-{uuid.uuid4().hex[:8]}"
-    place.mkdir(mode=0o700)
+    place = Path(tempfile.mkdtemp(prefix="cedana-test-", dir="/dev/shm"))
     yield place
     shutil.rmtree(place, ignore_errors=True)
 
 
-def test_own_shm_dir_is_private_and_refused_when_not_ours(shm: Path) -> None:
-    uid = os.geteuid()
-    made = criucache.own_shm_dir(uid, str(shm))
-    assert made == str(shm / f"cedana-criu-{uid}")
-    st = os.lstat(made)
-    assert st.st_uid == uid and st.st_mode & 0o777 == 0o700
-    assert criucache.own_shm_dir(uid, str(shm)) == made  # found again
-
-    os.chmod(made, 0o777)  # anyone could have put a file there
-    assert criucache.own_shm_dir(uid, str(shm)) is None
-    os.rmdir(made)
-    os.symlink("/tmp", made)  # a link planted by someone else
-    assert criucache.own_shm_dir(uid, str(shm)) is None
-    os.unlink(made)
-    assert criucache.own_shm_dir(uid, "/proc") is None  # not a tmpfs
-
-
-def test_an_unprivileged_criu_gets_a_tmpfs_runtime_dir(shm: Path) -> None:
-    env = {"PATH": "/usr/bin:/bin"}
-    given = criucache.criu_env(True, env, shm=str(shm))
-    assert given == {**env, "XDG_RUNTIME_DIR": str(shm / f"cedana-criu-{os.geteuid()}")}
-    assert criucache.problem(True, given) is None
-    assert criucache.criu_env(True, {"XDG_RUNTIME_DIR": str(shm)}, shm=str(shm)) is None
-    assert criucache.criu_env(False, env, shm=str(shm)) is None  # root: /run, or nothing
-
-
-def test_a_cache_file_left_half_written_is_named_and_ours_is_cleared(shm: Path) -> None:
-    env = {"XDG_RUNTIME_DIR": str(shm)}
-    tmp = shm / "criu.kdat.tmp"
+def test_a_cache_file_left_half_written_is_named(tmpfs_dir: Path) -> None:
+    tmp = tmpfs_dir / "criu.kdat.tmp"
     tmp.touch()
-    assert criucache.problem(True, env) is None  # another CRIU may be writing it now
+    assert criucache.problem(str(tmpfs_dir)) is None  # another CRIU may be writing it now
     old = tmp.stat().st_mtime - 600
     os.utime(tmp, (old, old))
-    assert "interrupted CRIU run" in (criucache.problem(True, env) or "")
-    (shm / "criu.kdat").touch()
-    assert criucache.problem(True, env) is None  # the cache is there: CRIU reads it
-
-    (shm / "criu.kdat").unlink()
-    given = criucache.criu_env(True, env, shm=str(shm))  # not this one: ours, instead
-    mine = Path(given["XDG_RUNTIME_DIR"]) if given else None
-    assert mine == shm / f"cedana-criu-{os.geteuid()}"
-    stale = mine / "criu.kdat.tmp"
-    stale.touch()
-    os.utime(stale, (old, old))
-    assert criucache.criu_env(True, env, shm=str(shm)) == given
-    assert not stale.exists() and tmp.exists()  # only what is in our own directory
+    assert "interrupted CRIU run" in (criucache.problem(str(tmpfs_dir)) or "")
+    (tmpfs_dir / "criu.kdat").touch()
+    assert criucache.problem(str(tmpfs_dir)) is None  # the cache is there: CRIU reads it
