@@ -3,7 +3,7 @@
 # kernel. The browser test that takes it drives a real JupyterLab in Debian's chromium
 # (tests/browser/): it runs two cells of a notebook, suspends the kernel from the sidebar
 # and saves the page once the sidebar shows the kernel suspended.
-# Needs scripts/setup.sh --test, and working checkpoints (root, or scripts/grant-criu-caps.sh).
+# Needs scripts/setup.sh --test, and working checkpoints (as root).
 # Usage: scripts/screenshot.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."

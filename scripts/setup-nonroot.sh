@@ -1,8 +1,7 @@
 #!/usr/bin/env bash
 # Test set-up for non-root servers (called by scripts/setup.sh --test), idempotently:
-#   - users cedana-test and cedana-test2 (the second user of the isolation tests), both
-#     in group `cedana`, which alone may run the capability-carrying criu
-#     (scripts/grant-criu-caps.sh);
+#   - users cedana-test and cedana-test2 (the second user of the isolation tests), with
+#     no privilege of any kind: their servers checkpoint through the checkpoint agent;
 #   - a virtualenv those users can read, .venv-nonroot, from the system's python3 (the
 #     root virtualenv's interpreter may live under /root, which they cannot enter), with
 #     the package installed editable from this checkout.
@@ -13,32 +12,30 @@ ROOT=$PWD
 say() { printf '[setup-nonroot] %s\n' "$*" >&2; }
 fail() { printf '[setup-nonroot] FAILED: %s\n' "$*" >&2; exit 1; }
 
-[ "$(id -u)" = 0 ] || fail "needs root (useradd, setcap)"
+[ "$(id -u)" = 0 ] || fail "needs root (useradd)"
 TEST_USERS=(cedana-test cedana-test2)
 for u in "${TEST_USERS[@]}"; do
   id "$u" >/dev/null 2>&1 || { say "creating user $u"; useradd --create-home --shell /bin/bash "$u"; }
 done
-args=()
-for u in "${TEST_USERS[@]}"; do args+=(--add-user "$u"); done
-bash scripts/grant-criu-caps.sh "${args[@]}" >&2
 
 # The test users must read this checkout (tests and the editable package live here).
 # A checkout under a private directory (e.g. /root) gets a traverse-only ACL entry for
-# group cedana on each directory above it that they cannot enter: no listing, no reading
-# of anything there that is not world-readable anyway.
-if ! runuser -u cedana-test -- test -r "$ROOT/pyproject.toml"; then
-  command -v setfacl >/dev/null || fail "$ROOT is not readable by cedana-test and setfacl is missing (apt-get install acl)"
+# each test user on each directory above it that they cannot enter: no listing, no
+# reading of anything there that is not world-readable anyway.
+for u in "${TEST_USERS[@]}"; do
+  runuser -u "$u" -- test -r "$ROOT/pyproject.toml" && continue
+  command -v setfacl >/dev/null || fail "$ROOT is not readable by $u and setfacl is missing (apt-get install acl)"
   d=$ROOT
   while [ "$d" != / ]; do
-    if ! runuser -u cedana-test -- test -x "$d"; then
-      say "granting group cedana traverse (x) on $d"
-      setfacl -m g:cedana:x "$d"
+    if ! runuser -u "$u" -- test -x "$d"; then
+      say "granting $u traverse (x) on $d"
+      setfacl -m "u:$u:x" "$d"
     fi
     d=$(dirname "$d")
   done
-  runuser -u cedana-test -- test -r "$ROOT/pyproject.toml" \
-    || fail "user cedana-test cannot read $ROOT (is the checkout world-readable?)"
-fi
+  runuser -u "$u" -- test -r "$ROOT/pyproject.toml" \
+    || fail "user $u cannot read $ROOT (is the checkout world-readable?)"
+done
 
 SYSPY=${NONROOT_PYTHON:-/usr/bin/python3}
 [ -x "$SYSPY" ] || fail "no $SYSPY (apt-get install python3 python3-venv)"

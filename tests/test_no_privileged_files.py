@@ -1,11 +1,8 @@
-"""Nothing the package installs carries privilege of its own: no file under
+"""Nothing the project installs or sets up carries privilege of its own: no file under
 jupyter_cedana/ (the native helpers included, as built here and shipped in the wheel) is
-setuid or setgid or has file capabilities, and the build does not grant any. Privilege
-lives in one root service, the checkpoint agent (docs/agent.md).
-
-scripts/grant-criu-caps.sh, which an admin may run to give a copy of CRIU capabilities
-outside the package, is not installed by the wheel; the threat model in
-docs/deployment.md says what it costs."""
+setuid or setgid or has file capabilities, and neither the build nor any script of the
+project (set-up, CI, packaging) grants any. Privilege lives in one root service, the
+checkpoint agent (docs/agent.md); a server that is not root runs no CRIU."""
 
 from __future__ import annotations
 
@@ -20,6 +17,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "jupyter_cedana"
 BUILD_FILES = [ROOT / "native" / "Makefile", ROOT / "native" / "hatch_build.py"]
+# Everything that installs or sets up something: set-up, test and release scripts, CI,
+# the systemd unit.
+SCRIPT_DIRS = [ROOT / "scripts", ROOT / ".ci", ROOT / "packaging"]
 GRANTING = re.compile(r"\bsetcap\b|chmod\s+[ug]*\+s|chmod\s+[2467][0-7]{3}\b|cap_set_file")
 
 
@@ -57,6 +57,21 @@ def test_no_file_of_the_package_is_setuid_or_has_capabilities() -> None:
 def test_the_build_grants_nothing() -> None:
     for path in BUILD_FILES:
         assert not GRANTING.search(path.read_text()), path
+
+
+def test_no_script_grants_capabilities_or_setuid() -> None:
+    # The capability-carrying copy of CRIU it made gave every notebook of its users
+    # CAP_SYS_PTRACE, that is root; the checkpoint agent replaced it.
+    assert not (ROOT / "scripts" / "grant-criu-caps.sh").exists()
+    scripts = [p for d in SCRIPT_DIRS for p in sorted(d.rglob("*")) if p.is_file()]
+    assert len(scripts) > 5, scripts
+    granting = [
+        f"{p.relative_to(ROOT)}: {m.group(0)}"
+        for p in scripts
+        for m in [GRANTING.search(p.read_text(errors="replace"))]
+        if m
+    ]
+    assert granting == []
 
 
 def test_the_checker_sees_setuid_and_capabilities(tmp_path: Path) -> None:
