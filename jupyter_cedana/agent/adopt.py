@@ -176,6 +176,7 @@ class Adopter:
             cwd=f["cwd"],
             work_dir=str(self.kernels_dir / str(uid) / kid),
             note=f["note"],
+            meta=f.get("meta"),
         )
         record.log = self.table.output_of(uid, kid)
         state = f["state"]

@@ -23,6 +23,7 @@ from typing import Any
 from ..checkpoint import CheckpointStore, validate_kernel_id
 from ..dumping import dir_bytes
 from .protocol import AgentError
+from .records import MAX_META, meta_size
 
 DEFAULT_QUOTA = 64 << 30
 
@@ -38,6 +39,15 @@ def _private_dir(path: Path) -> Path:
     if stat.S_IMODE(st.st_mode) != 0o700:
         os.chmod(path, 0o700)
     return path
+
+
+def manifest_meta(manifest: dict[str, Any]) -> dict[str, Any] | None:
+    """The launch's `meta` a dump copied into its image's manifest (None: none, or not
+    one a record could hold)."""
+    meta = manifest.get("meta")
+    if isinstance(meta, dict) and meta_size(meta) <= MAX_META:
+        return meta
+    return None
 
 
 class ImageStore:
@@ -91,6 +101,30 @@ class ImageStore:
                     "created": manifest.get("created"),
                 }
             )
+        return out
+
+    def _existing(self, uid: int) -> CheckpointStore | None:
+        """A uid's store if it exists; creates nothing (this answers every `list`)."""
+        base = self.root / str(int(uid))
+        if base.is_symlink() or not base.is_dir():
+            return None
+        return CheckpointStore(base)
+
+    def manifests(self, uid: int, only: str | None = None) -> dict[str, dict[str, Any]]:
+        """A uid's images (or only kernel `only`'s) and their manifests; {} stands for a
+        manifest that cannot be read (a restore says why)."""
+        store = self._existing(uid)
+        if store is None:
+            return {}
+        out: dict[str, dict[str, Any]] = {}
+        ids = store.kernel_ids()
+        if only is not None:
+            ids = [only] if only in ids else []
+        for kid in ids:
+            try:
+                out[kid] = store.read_manifest(kid)
+            except Exception:
+                out[kid] = {}
         return out
 
     def refuse(self, uid: int, kernel_id: str, reason: str) -> Path:

@@ -156,6 +156,9 @@ class KernelRecord:
     #: What the agent knows that the state does not say (an unknown exit status, a
     #: suspend of an orphan that failed, a restart of the machine).
     note: str | None = None
+    #: What the launching server keeps with the kernel (its name, connection info with
+    #: the key, cwd): never read by the agent, returned to the kernel's uid alone.
+    meta: dict[str, Any] | None = None
     _tasks: set[asyncio.Task[Any]] = field(default_factory=set)
     #: Called after every state change: the table writes the record to disk.
     _sink: Callable[[KernelRecord], None] | None = None
@@ -212,6 +215,7 @@ class KernelRecord:
             "note": self.note,
             "argv": list(self.argv),
             "cwd": self.cwd,
+            "meta": self.meta,
             "boot_id": records.boot_id(),
             "init": init.to_json() if init else None,
             "keeper": keeper.to_json() if keeper else None,
@@ -224,6 +228,7 @@ class KernelRecord:
             "state": self.state.value,
             "pid": self.init_pid if self.state in (State.running, State.dumping) else None,
             "returncode": self.returncode,
+            "meta": self.meta,
         }
         if self.note:
             out["note"] = self.note
@@ -231,7 +236,11 @@ class KernelRecord:
 
     def status(self) -> dict[str, Any]:
         """The `poll` reply: an exited kernel whose status is unknown says so."""
-        out: dict[str, Any] = {"returncode": self.returncode, "state": self.state.value}
+        out: dict[str, Any] = {
+            "returncode": self.returncode,
+            "state": self.state.value,
+            "meta": self.meta,
+        }
         if self.state == State.exited and self.returncode is None:
             out["returncode_known"] = False
         if self.note:

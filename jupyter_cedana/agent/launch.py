@@ -25,8 +25,10 @@ from pathlib import Path
 from typing import Any
 
 from . import protocol
+from .imagestore import ImageStore, manifest_meta
 from .kernels import KernelRecord, State
 from .protocol import AgentError
+from .records import MAX_META, meta_size
 from .service import Caller, Progress, Service, check_root_file
 
 _BIN = Path(__file__).resolve().parent.parent / "bin"
@@ -74,6 +76,8 @@ MAX_ARGV = 256
 MAX_LOG_REPLY = 256 * 1024
 MAX_WAIT = 3600.0
 START_TIMEOUT = 30.0
+#: What `list` keeps of its reply's limit for all but the kernels' meta.
+LIST_MARGIN = 128 * 1024
 
 
 def clean_env(env: dict[str, str]) -> dict[str, str]:
@@ -101,6 +105,17 @@ def _env(value: Any) -> dict[str, str]:
         if not k or "=" in k or "\0" in k or "\0" in v:
             raise AgentError("bad_request", f"bad environment variable name or value: {k!r}")
     return dict(value)
+
+
+def _meta(value: Any) -> dict[str, Any] | None:
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise AgentError("bad_request", "meta must be a JSON object")
+    size = meta_size(value)
+    if size > MAX_META:
+        raise AgentError("bad_request", f"meta takes {size} bytes, more than {MAX_META}")
+    return value
 
 
 class Launcher:
@@ -143,6 +158,10 @@ class Launcher:
         cwd = args.get("cwd", "/")
         if not isinstance(cwd, str) or not os.path.isabs(cwd) or "\0" in cwd:
             raise AgentError("bad_request", "cwd must be an absolute path")
+        meta = _meta(args.get("meta"))
+        ignore_sigint = args.get("ignore_sigint", False)
+        if not isinstance(ignore_sigint, bool):
+            raise AgentError("bad_request", "ignore_sigint must be true or false")
         work = self.work_dir(caller.uid, kernel_id)
         record = KernelRecord(
             uid=caller.uid,
@@ -155,10 +174,11 @@ class Launcher:
             argv=argv,
             cwd=cwd,
             work_dir=str(work),
+            meta=meta,
         )
         self.kernels.reserve(record)
         try:
-            await self._start(record, env)
+            await self._start(record, env, ignore_sigint)
         except BaseException:
             await record.close()
             self.kernels.remove(caller.uid, kernel_id)
@@ -166,7 +186,7 @@ class Launcher:
             raise
         return {"kernel_id": kernel_id, "pid": record.init_pid}
 
-    async def _start(self, record: KernelRecord, env: dict[str, str]) -> None:
+    async def _start(self, record: KernelRecord, env: dict[str, str], ignore_sigint: bool) -> None:
         work = Path(record.work_dir)
         # Root's own directory (0700): the init's working directory, where CRIU mounts
         # its /proc during a dump, and the pidfile. Not the user's to write.
@@ -179,6 +199,9 @@ class Launcher:
             # A root caller's kernel runs as root, as under a root server without the agent.
             cmd += ["--user", str(record.uid), "--gid", str(record.gid)]
             cmd += ["--groups", ",".join(map(str, record.groups)), "--cwd", record.cwd]
+        if ignore_sigint:
+            # An interrupt while ipykernel still starts would kill it (cedana-init.c).
+            cmd.append("--ignore-sigint")
         cmd += ["--", *record.argv]
         process = await asyncio.create_subprocess_exec(
             *cmd,
@@ -196,11 +219,33 @@ class Launcher:
         record.state = State.running
 
     async def op_list(self, caller: Caller, args: dict[str, Any], _: Progress) -> dict[str, Any]:
-        return {"kernels": [r.summary() for r in self.kernels.for_uid(caller.uid)]}
+        kernels = [r.summary() for r in self.kernels.for_uid(caller.uid)]
+        known = {k["kernel_id"] for k in kernels}
+        for kid, manifest in ImageStore(self.service.state_dir).manifests(caller.uid).items():
+            if kid not in known:
+                kernels.append({"kernel_id": kid, "pid": None, **_unrecorded(manifest)})
+        # 64 kernels with the largest meta would not fit in one reply: past a budget a
+        # kernel's meta is left out (and said so), and `poll` gives it.
+        budget = protocol.MAX_RESPONSE - LIST_MARGIN
+        for entry in kernels:
+            meta = entry.get("meta")
+            size = meta_size(meta) if meta is not None else 0
+            if size > budget:
+                entry["meta"] = None
+                entry["meta_omitted"] = True
+            else:
+                budget -= size
+        return {"kernels": kernels}
 
     async def op_poll(self, caller: Caller, args: dict[str, Any], _: Progress) -> dict[str, Any]:
-        record = self.kernels.lookup(caller.uid, protocol.kernel_id(args))
-        return record.status()
+        kernel_id = protocol.kernel_id(args)
+        record = self.kernels.get(caller.uid, kernel_id)
+        if record is not None:
+            return record.status()
+        found = ImageStore(self.service.state_dir).manifests(caller.uid, only=kernel_id)
+        if kernel_id not in found:
+            raise AgentError("not_found", f"no kernel {kernel_id}")
+        return _unrecorded(found[kernel_id])
 
     async def op_signal(self, caller: Caller, args: dict[str, Any], _: Progress) -> dict[str, Any]:
         record = self.kernels.lookup(caller.uid, protocol.kernel_id(args))
@@ -243,6 +288,18 @@ class Launcher:
             raise AgentError("bad_request", "bytes must be an integer >= 0")
         data = record.log.tail(min(nbytes, MAX_LOG_REPLY))
         return {"text": data.decode(errors="replace"), "dropped": record.log.dropped}
+
+
+def _unrecorded(manifest: dict[str, Any]) -> dict[str, Any]:
+    """How `list` and `poll` show an image with no record (its record refused, a store
+    restored from a backup): a suspended kernel all the same, which a restarted server
+    must find; its meta is the copy its dump kept in the image's manifest."""
+    return {
+        "state": State.dumped.value,
+        "returncode": None,
+        "meta": manifest_meta(manifest),
+        "note": "an image with no record: restore or discard it",
+    }
 
 
 async def _read_pidfile(pidfile: Path, process: asyncio.subprocess.Process) -> int:

@@ -35,6 +35,8 @@ _KERNEL_ID = re.compile(r"[0-9a-f-]{1,64}")
 _BOOT_ID = re.compile(r"[0-9a-f-]{36}")
 _NAME = re.compile(r"([0-9a-f-]{1,64})\.json")
 MAX_RECORD = 256 * 1024
+#: The most bytes a kernel's `meta` (launch) may take, encoded as compact JSON.
+MAX_META = 16 * 1024
 KEY_NAME = ".key"
 
 log = logging.getLogger("jupyter_cedana.agent")
@@ -135,6 +137,11 @@ def _strings(value: Any, what: str) -> list[str]:
     return value
 
 
+def meta_size(meta: dict[str, Any]) -> int:
+    """Bytes of `meta` as compact JSON: what MAX_META bounds."""
+    return len(json.dumps(meta, separators=(",", ":"), ensure_ascii=False).encode())
+
+
 def validate(data: Any, uid: int, kernel_id: str) -> dict[str, Any]:
     """The record's fields, checked: types, ranges, and that it names the uid and kernel
     its file's place names. Raises BadRecord."""
@@ -156,8 +163,10 @@ def validate(data: Any, uid: int, kernel_id: str) -> dict[str, Any]:
         "keeper",
         "since",
     }
-    if set(data) != expected:
-        raise BadRecord(f"fields {sorted(set(data) ^ expected)} are missing or unknown")
+    # `meta` came later: a record written before it has none, and is as good.
+    given = set(data) - {"meta"}
+    if given != expected:
+        raise BadRecord(f"fields {sorted(given ^ expected)} are missing or unknown")
     if data["version"] != VERSION:
         raise BadRecord(f"version {data['version']!r} is not {VERSION}")
     if _int(data["uid"], "uid", 0, 2**32 - 2) != uid:
@@ -186,6 +195,9 @@ def validate(data: Any, uid: int, kernel_id: str) -> dict[str, Any]:
     _proc(data["keeper"], "keeper")
     if not isinstance(data["since"], int | float) or isinstance(data["since"], bool):
         raise BadRecord("since must be a number")
+    meta = data.get("meta")
+    if meta is not None and (not isinstance(meta, dict) or meta_size(meta) > MAX_META):
+        raise BadRecord(f"meta must be null or an object of at most {MAX_META} bytes")
     if data["state"] in ("running", "dumping") and data["init"] is None:
         raise BadRecord(f"a {data['state']} kernel's record has no init")
     return data

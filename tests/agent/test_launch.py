@@ -266,7 +266,13 @@ def test_kernel_outlives_its_client(agent: Agent, kernels: list[Kernel], how: st
     listed = agent.run_as("cedana-test", "list")["result"]["kernels"]
     mine = [k for k in listed if k["kernel_id"] == kernel.id]
     assert mine == [
-        {"kernel_id": kernel.id, "state": "running", "pid": launched["pid"], "returncode": None}
+        {
+            "kernel_id": kernel.id,
+            "state": "running",
+            "pid": launched["pid"],
+            "returncode": None,
+            "meta": None,
+        }
     ]
     assert (
         agent.run_as("cedana-test", "poll", {"kernel_id": kernel.id})["result"]["returncode"]

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from jupyter_cedana.agent.output import KernelOutput
-from jupyter_cedana.agent.records import BadRecord, RecordStore, boot_id, start_time
+from jupyter_cedana.agent.records import MAX_META, BadRecord, RecordStore, boot_id, start_time
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the records are root's")
 
@@ -113,6 +113,22 @@ def test_a_record_of_another_mode_or_a_link_is_refused(tmp_path: Path) -> None:
     os.rename(path, target)
     path.symlink_to(target)
     assert RecordStore(tmp_path).load() == []
+
+
+def test_meta_is_kept_and_a_record_from_before_meta_still_reads(tmp_path: Path) -> None:
+    store = RecordStore(tmp_path)
+    meta = {"kernel_name": "python3", "connection": {"key": "k", "shell_port": 1}}
+    store.save(fields(meta=meta))
+    assert RecordStore(tmp_path).load() == [fields(meta=meta)]
+    store.save(fields())  # no `meta` at all: what an agent before it wrote
+    assert RecordStore(tmp_path).load() == [fields()]
+    assert not (tmp_path / "refused-records").exists()
+
+
+@pytest.mark.parametrize("meta", ["a string", [1], {"k": "x" * MAX_META}])
+def test_a_bad_meta_is_never_written(tmp_path: Path, meta: Any) -> None:
+    with pytest.raises(BadRecord, match="meta"):
+        RecordStore(tmp_path).save(fields(meta=meta))
 
 
 def test_output_is_capped_and_its_tail_kept(tmp_path: Path) -> None:

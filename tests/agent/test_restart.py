@@ -152,12 +152,18 @@ def test_running_kernel_is_owned_again_after_sigkill(agents: Agents) -> None:
     agent = agents.start()
     mine = kernels_of(agent, USER)
     assert mine == {
-        kernel.id: {"kernel_id": kernel.id, "state": "running", "pid": init_pid, "returncode": None}
+        kernel.id: {
+            "kernel_id": kernel.id,
+            "state": "running",
+            "pid": init_pid,
+            "returncode": None,
+            "meta": None,
+        }
     }
     assert kernels_of(agent, OTHER) == {}
     assert agent.run_as(OTHER, "poll", {"kernel_id": kernel.id})["error"]["code"] == "not_found"
     polled = agent.run_as(USER, "poll", {"kernel_id": kernel.id})["result"]
-    assert polled == {"returncode": None, "state": "running"}
+    assert polled == {"returncode": None, "state": "running", "meta": None}
     reconnect(kernel)
     assert kernel.run("print(state + 1)").strip() == "42"
     assert kernel.run(WRITE_FD1.format(text="after-restart")).strip() == "14"
@@ -255,6 +261,7 @@ def test_sigkill_in_the_middle_of_a_dump(agents: Agents) -> None:
         "state": "running",
         "pid": init_pid,
         "returncode": None,
+        "meta": None,
     }
     reconnect(kernel)
     assert kernel.run("print(state[0] + 1)").strip() == "42"

@@ -262,7 +262,11 @@ def test_waits_of_a_gone_client_are_dropped(agent: Agent) -> None:
     again = agent.connect()
     again.sendall(request_frame("poll", {"kernel_id": kid}))
     polled = read_reply(again)
-    assert polled is not None and polled["result"] == {"returncode": None, "state": "running"}
+    assert polled is not None and polled["result"] == {
+        "returncode": None,
+        "state": "running",
+        "meta": None,
+    }
     again.sendall(request_frame("signal", {"kernel_id": kid, "signum": 9}, rid=2))
     assert read_reply(again) is not None
 

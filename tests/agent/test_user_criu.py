@@ -148,7 +148,7 @@ def test_user_stopping_or_killing_their_dump_s_criu_fails_only_that_dump(
     _no_dump_left(agent, kernel.id)
     assert agent.run_as(USER, "images")["result"]["images"] == []
     polled = agent.run_as(USER, "poll", {"kernel_id": kernel.id})["result"]
-    assert polled == {"returncode": None, "state": "running"}
+    assert polled == {"returncode": None, "state": "running", "meta": None}
     assert kernel.run("print(state[0] + 1)").strip() == "42"
     # Nothing of it lingers: the next dump and restore work.
     reply = agent.run_as(USER, "dump", {"kernel_id": kernel.id})
