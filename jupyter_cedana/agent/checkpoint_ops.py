@@ -17,6 +17,8 @@ import logging
 import os
 import signal
 import subprocess
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, cast
 
@@ -30,12 +32,16 @@ from ..integrity import is_page_file
 from ..proctree import process_tree
 from .criu import AgentEngine, CriuSettings, UnsafeSetup
 from .imagecheck import ImageRefused, verify_owner
-from .imagestore import DEFAULT_QUOTA, ImageStore
+from .imagestore import DEFAULT_QUOTA, ImageStore, manifest_meta
 from .kernels import KernelRecord, State
 from .protocol import AgentError
-from .service import Caller, Progress, Service, user_groups
+from .service import Caller, Progress, ProgressFrames, Service, user_groups
 
 CONFIG_NAME = "checkpoint.json"
+#: The engine's progress phases as the agent's frames name them.
+_PHASES = {"dump": "dumping"}
+#: Seconds between progress frames of a restore's checksum pass.
+VERIFY_FRAME_INTERVAL = 0.2
 _log = logging.getLogger("jupyter_cedana.agent")
 
 
@@ -146,7 +152,18 @@ class CheckpointOps:
         except (OSError, subprocess.SubprocessError, CedanaError) as e:
             raise AgentError("failed", f"CRIU's kernel-feature cache cannot be written: {e}") from e
 
-    async def op_dump(self, caller: Caller, args: dict[str, Any], _: Progress) -> dict[str, Any]:
+    async def op_dump(
+        self, caller: Caller, args: dict[str, Any], progress: Progress
+    ) -> dict[str, Any]:
+        frames = ProgressFrames(progress)
+        try:
+            return await self._dump(caller, args, frames)
+        finally:
+            await frames.close()
+
+    async def _dump(
+        self, caller: Caller, args: dict[str, Any], frames: ProgressFrames
+    ) -> dict[str, Any]:
         kid = _kernel_id(args)
         record = self.kernels.lookup(caller.uid, kid)
         async with record.lock:
@@ -162,9 +179,18 @@ class CheckpointOps:
             record.state = State.dumping
             pid = record.init_pid
             tmp = store.begin(kid)
+
+            def dumping(phase: str, done: int | None, total: int | None) -> None:
+                # The engine's "dump" is the image growing; `total` is the tree's RSS.
+                frames({"phase": _PHASES.get(phase, phase), "done": done, "total": total})
+
             try:
-                dumped = await self.engine.dump(pid, tmp, owner=(record.uid, record.gid))
-                self.store.check_quota(caller.uid, kid, dir_bytes(tmp))
+                dumped = await self.engine.dump(
+                    pid, tmp, progress=dumping, owner=(record.uid, record.gid)
+                )
+                size = dir_bytes(tmp)
+                self.store.check_quota(caller.uid, kid, size)
+                frames({"phase": "committing", "done": size, "total": size})
 
                 def commit() -> dict[str, Any]:
                     with contextlib.suppress(OSError, ImageError, IndexError):
@@ -172,7 +198,13 @@ class CheckpointOps:
                     return store.commit(
                         kid,
                         tmp,
-                        {"uid": caller.uid, "pidns": True, "timings": {"dump_s": dumped.seconds}},
+                        {
+                            "uid": caller.uid,
+                            "pidns": True,
+                            "timings": {"dump_s": dumped.seconds},
+                            # For a record lost later: `list` and a restore take it here.
+                            "meta": record.meta,
+                        },
                         dumped.sums,
                     )
 
@@ -201,7 +233,18 @@ class CheckpointOps:
             "seconds": dumped.seconds,
         }
 
-    async def op_restore(self, caller: Caller, args: dict[str, Any], _: Progress) -> dict[str, Any]:
+    async def op_restore(
+        self, caller: Caller, args: dict[str, Any], progress: Progress
+    ) -> dict[str, Any]:
+        frames = ProgressFrames(progress)
+        try:
+            return await self._restore_op(caller, args, frames)
+        finally:
+            await frames.close()
+
+    async def _restore_op(
+        self, caller: Caller, args: dict[str, Any], frames: ProgressFrames
+    ) -> dict[str, Any]:
         kid = _kernel_id(args)
         lazy = args.get("lazy", False)
         if not isinstance(lazy, bool):
@@ -215,6 +258,9 @@ class CheckpointOps:
         self._require()
         groups = user_groups(caller.uid, caller.gid)
         if record is None:  # an image from before the agent restarted
+            meta = None
+            with contextlib.suppress(CedanaError):
+                meta = manifest_meta(store.read_manifest(kid))
             record = KernelRecord(
                 uid=caller.uid,
                 kernel_id=kid,
@@ -223,6 +269,7 @@ class CheckpointOps:
                 init_pid=0,
                 process=None,
                 state=State.dumped,
+                meta=meta,
             )
             self.kernels.reserve(record)
         async with record.lock:
@@ -230,6 +277,7 @@ class CheckpointOps:
                 raise AgentError("conflict", f"kernel {kid} is {record.state.value}, not dumped")
             images = store.path(kid)
             manifest: dict[str, Any] | None = None
+            frames({"phase": "verifying", "done": None, "total": None})
             try:
                 if lazy and await asyncio.to_thread(self.engine.lazy_unsupported) is None:
                     manifest = await asyncio.to_thread(store.check_sizes, kid)
@@ -239,7 +287,7 @@ class CheckpointOps:
                     # What CRIU reads itself; the pages are checked as they are served.
                     await asyncio.to_thread(store.verify_small_files, kid, manifest)
                 else:
-                    await asyncio.to_thread(store.verify, kid)
+                    await asyncio.to_thread(store.verify, kid, _throttled(frames, "verifying"))
                 await asyncio.to_thread(
                     verify_owner,
                     images,
@@ -259,6 +307,7 @@ class CheckpointOps:
             except CedanaError as e:
                 raise AgentError("failed", e.message) from e
             record.state = State.restoring
+            frames({"phase": "restoring", "done": None, "total": None})
             work = store.work_dir(kid)
             (work / "restored.pid").unlink(missing_ok=True)
             pages: lazy_pages.PageServer | None = None
@@ -383,6 +432,22 @@ class CheckpointOps:
             "quota_bytes": self.store.quota_bytes,
             "used_bytes": self.store.usage(caller.uid),
         }
+
+
+def _throttled(frames: ProgressFrames, phase: str) -> Callable[[int, int], None]:
+    """A (done, total) callback for a worker thread: a frame at most every
+    VERIFY_FRAME_INTERVAL seconds, handed to the event loop."""
+    loop = asyncio.get_running_loop()
+    last = 0.0
+
+    def update(done: int, total: int) -> None:
+        nonlocal last
+        now = time.monotonic()
+        if now - last >= VERIFY_FRAME_INTERVAL or done >= total:
+            last = now
+            loop.call_soon_threadsafe(frames, {"phase": phase, "done": done, "total": total})
+
+    return update
 
 
 def _chunked(manifest: dict[str, Any]) -> bool:

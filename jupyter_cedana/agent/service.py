@@ -34,7 +34,47 @@ log = logging.getLogger("jupyter_cedana.agent")
 Progress = Callable[[dict[str, Any]], Awaitable[None]]
 Handler = Callable[["Caller", dict[str, Any], Progress], Awaitable[dict[str, Any]]]
 
-__all__ = ["AgentError", "Caller", "Handler", "Limits", "Progress", "Service"]
+__all__ = ["AgentError", "Caller", "Handler", "Limits", "Progress", "ProgressFrames", "Service"]
+
+
+class ProgressFrames:
+    """An op's progress frames, from a plain callable (what the engine calls from the
+    event loop, several times a second): a task of its own sends them, so that a client
+    slow to read delays its frames and never the op, and an update not sent yet is
+    replaced by a newer one. `close` sends what is left, before the op's reply."""
+
+    def __init__(self, send: Progress):
+        self._send = send
+        self._pending: dict[str, Any] | None = None
+        self._wake = asyncio.Event()
+        self._closing = False
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    def __call__(self, update: dict[str, Any]) -> None:
+        self._pending = update
+        self._wake.set()
+
+    async def _run(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            update, self._pending = self._pending, None
+            if update is not None:
+                try:
+                    await self._send(update)
+                except Exception:
+                    log.debug("a progress frame was not sent", exc_info=True)
+                    return  # the client is gone: the op goes on without it
+            if self._closing and self._pending is None:
+                return
+
+    async def close(self) -> None:
+        self._closing = True
+        self._wake.set()
+        try:
+            await self._task
+        finally:
+            self._task.cancel()
 
 
 @dataclass(frozen=True)
