@@ -188,7 +188,14 @@ class UserServer:
     token: str
     base: Path
     log: Path
+    criu_marker: Path
     kernels: list[str] = field(default_factory=list)
+
+    def criu_runs(self) -> list[str]:
+        """Every `criu` this server (or anything it started) ran from its PATH."""
+        if not self.criu_marker.exists():
+            return []
+        return self.criu_marker.read_text().splitlines()
 
     def api(self, method: str, path: str, body: Any = None) -> tuple[int, Any]:
         data = json.dumps(body).encode() if body is not None else None
@@ -213,7 +220,7 @@ class UserServer:
 
     def start_kernel(self) -> str:
         status, k = self.api("POST", "api/kernels", {"name": "python3"})
-        assert status == 201, (status, k, self.log_tail())
+        assert status == 201, (status, k, self.log_errors())
         self.kernels.append(k["id"])
         return str(k["id"])
 
@@ -253,6 +260,11 @@ class UserServer:
         reply = self.run(kid, code)
         assert reply.status == "ok", (reply, self.log_tail())
         return reply.stdout
+
+    def log_errors(self, lines: int = 6) -> list[str]:
+        """The server log's last error lines: a failed assertion's message stays short."""
+        text = self.log.read_text(errors="replace").splitlines()
+        return [ln for ln in text if ln.startswith("[E") or "Error" in ln][-lines:]
 
     def log_tail(self, chars: int = 6000) -> str:
         return self.log.read_text(errors="replace")[-chars:]
@@ -312,17 +324,24 @@ class Cell:
 def start_user_server(base: Path, user: str, agent_socket: Path) -> UserServer:
     entry = pwd.getpwnam(user)
     home = base / f"server-{user}"
-    home.mkdir(mode=0o700)
+    home.mkdir(mode=0o700, exist_ok=True)  # a server started again uses the same dirs
     dirs = {name: home / name for name in ("runtime", "root", "config", "data", "checkpoints")}
     for d in (home, *dirs.values()):
         d.mkdir(mode=0o700, exist_ok=True)
         os.chown(d, entry.pw_uid, entry.pw_gid)
+    # First on the PATH: a `criu` that only records that it ran. A server on the agent
+    # runs no CRIU of its own.
+    tripwire = home / "tripwire"
+    tripwire.mkdir(mode=0o755)
+    marker = home / "criu-ran"
+    (tripwire / "criu").write_text(f'#!/bin/sh\necho "criu $*" >> {marker}\nexit 1\n')
+    (tripwire / "criu").chmod(0o755)
     token = secrets.token_hex(16)
     port = free_port()
     env = {
         "HOME": entry.pw_dir,
         "USER": user,
-        "PATH": f"{NONROOT_BIN}:/usr/bin:/bin",
+        "PATH": f"{tripwire}:{NONROOT_BIN}:/usr/bin:/bin",
         "LANG": "C.UTF-8",
         "JUPYTER_RUNTIME_DIR": str(dirs["runtime"]),
         "JUPYTER_CONFIG_DIR": str(dirs["config"]),
@@ -356,7 +375,7 @@ def start_user_server(base: Path, user: str, agent_socket: Path) -> UserServer:
             stderr=subprocess.STDOUT,
             cwd=dirs["root"],
         )
-    server = UserServer(user, proc, f"http://127.0.0.1:{port}/", token, base, log)
+    server = UserServer(user, proc, f"http://127.0.0.1:{port}/", token, base, log, marker)
     deadline = time.monotonic() + WAIT
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -481,6 +500,13 @@ def test_state_survives_suspend_and_a_transparent_resume(
     assert server.output(kid, "print(hashlib.sha256(big).hexdigest())").strip() == digest
     assert_confined(json.loads(server.output(kid, PROBE)), uid, "the restored kernel's own view")
     assert_kernel_of_agent(live_agent, server, kid, uid, restored=True)
+    # Every page is in (the digest read them all): the image goes.
+    assert eventually(lambda: not agent_images(live_agent, USER), 60), agent_images(
+        live_agent, USER
+    )
+    # Once stopped, the server has finished whatever it started in the background.
+    stop_user_server(server)
+    assert server.criu_runs() == [], server.log_errors()
 
 
 def test_interrupt_through_rest_reaches_the_cell_and_the_kernel_lives(
@@ -590,3 +616,5 @@ def test_no_agent_at_the_socket(agent_base: Path, user_servers: Callable[..., Us
     assert str(nowhere) in body["message"], body
     assert server.view(kid)["state"] == "running"
     assert server.output(kid, "print('after')").strip() == "after"
+    stop_user_server(server)
+    assert server.criu_runs() == [], server.log_errors()
