@@ -38,7 +38,8 @@ from tornado import web
 
 from . import portremap
 from .checkpoint import CheckpointStore
-from .errors import CedanaError, CheckpointCorrupt, NotFound
+from .checkpoint_agent import CheckpointAgent, agent_for
+from .errors import CedanaError, CheckpointCorrupt, EngineUnavailable, NotFound
 from .parkrecords import (
     HeldRecord,
     RecordBusy,
@@ -78,6 +79,8 @@ async def claim_adoption(prov: Any) -> KernelConnectionInfo | None:
     # jupyter_client compares the key as bytes with the one it holds.
     info["key"] = str(info.get("key", "")).encode()
     saved = record.get("provisioner") or {}
+    # A kernel at the checkpoint agent may still run there (its server was killed).
+    running_pid = manifest.get("agent_pid")
     # What the parking server's get_provisioner_info saved, as a suspended kernel on disk
     # without a process: the provisioner's own inverse restores it (and holds its ports).
     await prov.load_provisioner_info(
@@ -88,16 +91,22 @@ async def claim_adoption(prov: Any) -> KernelConnectionInfo | None:
             "pid": None,
             "pgid": None,
             "ip": info.get("ip") or saved.get("ip"),
-            "cedana_state": KernelState.suspended.value,
-            "cedana_tier": "disk",
+            "cedana_state": (KernelState.running if running_pid else KernelState.suspended).value,
+            "cedana_tier": None if running_pid else "disk",
             "cedana_reason": _rolled_back(record, manifest),
-            "cedana_suspended_at": suspended_since(record),
+            "cedana_suspended_at": None if running_pid else suspended_since(record),
             "cedana_checkpoint_bytes": int(manifest.get("total_bytes") or 0),
         }
     )
     prov.process = None
     prov.cwd = record.get("cwd") or os.getcwd()
-    prov.adopt_gpu_state(manifest.get("gpu"))
+    if record.get("agent"):
+        agent = agent_for(prov.parent)
+        if agent is None:  # the adopter checked; the configuration cannot change meanwhile
+            raise RuntimeError("a kernel at the checkpoint agent, and no agent configured")
+        prov.attach_at_agent(agent.kernel(str(prov.kernel_id)), running_pid)
+    else:
+        prov.adopt_gpu_state(manifest.get("gpu"))
     prov.take_record(plan.held)  # locked for as long as this server owns the kernel
     return cast(KernelConnectionInfo, info)
 
@@ -141,6 +150,7 @@ class Adopter:
         log: Any,
         replies: Any = None,
         identity: str | None = None,
+        agent: CheckpointAgent | None = None,
     ):
         self.mkm = kernel_manager
         self.sessions = session_manager
@@ -150,6 +160,7 @@ class Adopter:
         self._verify: set[str] = set()
         self.replies = replies  # the gate's ReplyCache, seeded from each record
         self.identity = identity  # KernelParking.server_identity, resolved
+        self.agent = agent  # where this server's kernels run, if at a checkpoint agent
         self.log = log
 
     async def adopt_all(self) -> AdoptionReport:
@@ -240,6 +251,8 @@ class Adopter:
             return self._skip(kid, f"{why}; left in place", level="info")
         if kid in self.mkm:
             return self._skip(kid, "a kernel with this id is already running here")
+        if record.get("agent"):
+            return await self._adopt_at_agent(path, kid, record, held)
         if retention_ended(self.retention, self._retention_since(record)):
             self.store.remove(kid)
             remove_record(path)
@@ -263,6 +276,53 @@ class Adopter:
             )
         except CheckpointCorrupt as e:
             return self._skip(kid, f"{e.message}; left for 'jupyter cedana gc'")
+        await self._start(kid, record, manifest, held)
+        return None
+
+    async def _adopt_at_agent(
+        self, path: Path, kid: str, record: dict[str, Any], held: HeldRecord
+    ) -> str | None:
+        """A kernel its server launched at the checkpoint agent: the agent still runs
+        it (its server was killed), or holds its image (suspended, or parked)."""
+        if self.agent is None:
+            return self._skip(
+                kid,
+                "its kernel is at a checkpoint agent, and this server uses none "
+                "(CheckpointAgent.socket); left in place",
+            )
+        try:
+            found = await self.agent.find(kid)
+        except EngineUnavailable as e:
+            return self._skip(kid, f"{e.message}; left in place for the next start")
+        state = (found or {}).get("state")
+        if found is None or state == "exited":
+            if found is not None:
+                await self.agent.kernel(kid).release(timeout=0)
+            remove_record(path)
+            ended = (
+                "the checkpoint agent no longer has its kernel"
+                if found is None
+                else f"its kernel exited (status {found.get('returncode')}) with no server"
+            )
+            return self._skip(kid, f"{ended}; the record and its sessions were removed")
+        if state == "dumped" and retention_ended(self.retention, suspended_since(record)):
+            await self.agent.kernel(kid).discard()
+            remove_record(path)
+            return self._skip(
+                kid,
+                f"suspended for longer than SuspendPolicy.retention ({self.retention:.0f} s); "
+                "its image at the checkpoint agent and its record were removed",
+            )
+        if state not in ("running", "dumped"):
+            return self._skip(kid, f"the checkpoint agent says it is {state}; left in place")
+        why = await self._spec_problem(str(record["kernel_name"]))
+        if why:
+            return self._skip(kid, f"{why}; left in place")
+        manifest = {
+            "total_bytes": int(found.get("bytes") or 0),
+            "created": found.get("created"),
+            "agent_pid": found.get("pid") if state == "running" else None,
+        }
         await self._start(kid, record, manifest, held)
         return None
 
@@ -378,13 +438,17 @@ class Adopter:
                 "jupyter-cedana: parked kernel %s: its saved replies are unusable", kid
             )
         restored = await self._restore_sessions(kid, sessions)
+        held_as = (
+            "running at the checkpoint agent"
+            if manifest.get("agent_pid")
+            else f"suspended, {int(manifest.get('total_bytes') or 0) / 1e6:.1f} MB image"
+        )
         self.log.info(
-            "jupyter-cedana: adopted parked kernel %s (%s, %.1f MB image, parked by pid %s): "
-            "suspended; sessions: %s",
+            "jupyter-cedana: adopted kernel %s (%s, left by server pid %s): %s; sessions: %s",
             kid,
             record["kernel_name"],
-            int(manifest.get("total_bytes") or 0) / 1e6,
             record.get("server_pid"),
+            held_as,
             ", ".join(restored) or "none",
         )
 

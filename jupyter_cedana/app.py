@@ -185,7 +185,8 @@ class CedanaApp(ExtensionApp):
                 await self.parking.adopt()
             await self.manager.engine.cuda_checkpointer()
             self.manager.start()
-            self._warm_up = asyncio.ensure_future(self.manager.engine.warm_up())
+            if agent_for(self.serverapp) is None:  # the agent's CRIU is warmed up there
+                self._warm_up = asyncio.ensure_future(self.manager.engine.warm_up())
 
     async def stop_extension(self) -> None:
         # Runs before the server shuts its kernels down; a second stop waits for the first.

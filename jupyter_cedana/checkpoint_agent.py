@@ -115,6 +115,22 @@ class CheckpointAgent(SingletonConfigurable):
                 _unavailable(f"the checkpoint agent at {self.socket} went away: {e}")
             ) from e
 
+    async def find(self, kernel_id: str) -> dict[str, Any] | None:
+        """What the agent holds of this uid's kernel: its `list` entry (`state`, `pid`,
+        `returncode`, `meta`), `{"state": "dumped"}` for an image it has no record of, or
+        None. `bytes` is the image's size, where it has one."""
+        kernels = await self.call(lambda c: c.list())
+        found = next((k for k in kernels if k.get("kernel_id") == kernel_id), None)
+        images = (await self.call(lambda c: c.images())).get("images") or []
+        image = next((i for i in images if i.get("kernel_id") == kernel_id), None)
+        if found is None and image is None:
+            return None
+        out = dict(found or {"kernel_id": kernel_id, "state": "dumped"})
+        if image is not None:
+            out["bytes"] = int(image.get("bytes") or 0)
+            out["created"] = image.get("created")
+        return out
+
     async def close(self) -> None:
         if self._client is not None:
             await self._client.close()

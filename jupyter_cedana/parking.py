@@ -33,6 +33,7 @@ from traitlets import Bool, Float, Integer, Unicode
 from traitlets.config import LoggingConfigurable
 
 from .adoption import PROVISIONER, Adopter
+from .checkpoint_agent import agent_for
 from .dumping import tree_rss
 from .errors import CedanaError, Conflict, SuspendFailed
 from .limits import estimate_image_bytes, gpu_bytes
@@ -237,6 +238,10 @@ class KernelParking(LoggingConfigurable):
             await self._refresh_record(kid, prov)
 
     async def _refresh_record(self, kid: str, prov: CedanaProvisioner) -> None:
+        if prov.remote is not None:
+            # A kernel at the agent has its record running too (sessions included).
+            await prov.write_agent_record()
+            return
         if prov.held_record is None or prov.state not in (
             KernelState.suspended,
             KernelState.failed,
@@ -286,6 +291,7 @@ class KernelParking(LoggingConfigurable):
                 replies=self.replies,
                 identity=self.identity,
                 log=self.log,
+                agent=agent_for(self.parent),
             )
             report = await adopter.adopt_all()
         except Exception:
@@ -293,7 +299,7 @@ class KernelParking(LoggingConfigurable):
             return
         if report.adopted or report.skipped:
             self.log.info(
-                "jupyter-cedana: adopted %d suspended kernel(s), %d not adopted%s",
+                "jupyter-cedana: adopted %d kernel(s), %d not adopted%s",
                 len(report.adopted),
                 len(report.skipped),
                 "".join(f"\n  {kid}: {why}" for kid, why in sorted(report.skipped.items())),
@@ -518,7 +524,8 @@ class KernelParking(LoggingConfigurable):
         at_rest = (prov.state == KernelState.suspended and prov.tier == "disk") or (
             prov.state == KernelState.failed
         )
-        return at_rest and prov.transition_in_flight is None and self._store.exists(kid)
+        image = prov.holds_image if prov.remote is not None else self._store.exists(kid)
+        return at_rest and prov.transition_in_flight is None and image
 
     async def _to_disk(self, kid: str, km: Any, prov: CedanaProvisioner) -> None:
         """Dump a running or GPU-offloaded kernel into a committed image, its disk

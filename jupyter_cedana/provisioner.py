@@ -421,6 +421,8 @@ class CedanaProvisioner(Checkpointing, TransitionMachine, LocalProvisioner):  # 
             "execution_state": getattr(km, "execution_state", None),
             "cwd": str(self.cwd) if getattr(self, "cwd", None) else None,
             "parked_at": time.time(),
+            # Its kernel (running, or its image) is at the checkpoint agent, not here.
+            "agent": self.remote is not None,
             **facts,
         }
 
