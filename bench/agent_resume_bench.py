@@ -430,6 +430,8 @@ async def cycle(
         logged = resume_from_log(f.read().decode(errors="replace"), kid, since)
     return {
         **logged,
+        # Others' work on the machine moves these numbers: the load at each resume.
+        "load1": os.getloadavg()[0],
         "image_bytes": image_bytes,
         "suspend_s": suspend_s,
         "first_output_s": arrived - t0,
@@ -483,7 +485,8 @@ async def bench_size(sides: list[Side], size_gb: float, repeat: int, cold: bool)
                     f"{r['suspend_s']:.2f} s | restore {fmt(r['restore_s'], 2)} s, delivered "
                     f"{fmt(r['delivered_s'])} s, first output {r['first_output_s']:.3f} s "
                     f"(lazy {r['lazy']}) | all in {fmt(r['all_in_s'])} s, page server "
-                    f"{fmt(r['pages_s'])} s, {fmt(r['all_in_gbps'], 2)} GB/s",
+                    f"{fmt(r['pages_s'])} s, {fmt(r['all_in_gbps'], 2)} GB/s | load "
+                    f"{r['load1']:.1f}",
                     flush=True,
                 )
     finally:
