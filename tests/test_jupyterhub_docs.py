@@ -99,14 +99,19 @@ def test_jupyterhub_config_example_culler_and_capabilities(hub_config: Any) -> N
     (role,) = hub_config.JupyterHub.load_roles
     assert role["services"] == [culler["name"]]
     assert all(scope in scope_definitions for scope in role["scopes"])
+    # The server is root in the user's pod (an agent does not serve pods yet), with what
+    # root CRIU uses; Kubernetes refuses no_new_privs beside SYS_ADMIN.
     context = hub_config.KubeSpawner.container_security_context
+    assert hub_config.KubeSpawner.uid == 0 and context["runAsUser"] == 0
+    assert "--allow-root" in hub_config.KubeSpawner.args
     assert context["allowPrivilegeEscalation"] is True
     assert hub_config.KubeSpawner.allow_privilege_escalation is True
     assert set(context["capabilities"]["add"]) == {
-        "CHECKPOINT_RESTORE",
+        "SYS_ADMIN",
         "SYS_PTRACE",
+        "CHECKPOINT_RESTORE",
         "NET_ADMIN",
-        "SETPCAP",
+        "SYS_RESOURCE",
     }
 
 
@@ -120,4 +125,5 @@ def test_zero_to_jupyterhub_values_example() -> None:
     deadline = next(float(a.split("=", 1)[1]) for a in cmd if "KernelParking.deadline" in a)
     assert grace >= deadline + 10
     assert values["singleuser"]["allowPrivilegeEscalation"] is True
+    assert values["singleuser"]["uid"] == 0 and "--allow-root" in cmd
     assert values["cull"]["enabled"] is True
