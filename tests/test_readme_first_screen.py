@@ -36,12 +36,12 @@ def test_readme_is_a_first_screen() -> None:
 
 def test_requirements_say_what_needs_privilege_and_the_gpu_status() -> None:
     req = section(readme(), "Requirements")
-    for fact in ("CRIU 4.2", "root", "scripts/grant-criu-caps.sh", "r570", "docs/agent.md"):
+    for fact in ("CRIU 4.2", "root", "CheckpointAgent.socket", "r570", "docs/agent.md"):
         assert fact in req, fact
-    # The capability-carrying CRIU gives its capabilities to notebook code, and the
-    # server does not use the agent: both said, not softened.
-    assert re.search(r"hands its capabilities to any notebook", req)
-    assert re.search(r"server does not\s+use it yet", req)
+    # Where privilege lives, and what it means that the agent is root: said, not softened.
+    assert re.search(r"the agent is root, so a flaw in it\s+is a flaw in root", req)
+    assert re.search(r"no agent: kernels run as usual, never suspended", req)
+    assert "grant-criu-caps" not in readme()
     assert re.search(r"never on a real GPU", req)
 
 
