@@ -21,9 +21,21 @@ from jupyter_client.provisioning import KernelProvisionerFactory
 from jupyter_core.utils import ensure_event_loop
 from traitlets.config import Config
 
+from jupyter_cedana.agent.client import AgentClient
+from jupyter_cedana.checkpoint_agent import CheckpointAgent
 from jupyter_cedana.engine import CheckpointEngine
 
 pytest_plugins = ["pytest_jupyter.jupyter_server"]
+
+# The socket of a checkpoint agent that scripts/test.sh started as root for its run as an
+# ordinary user: then every server and kernel manager of the tests goes through it, as a
+# JupyterHub user's server does, and the server runs no CRIU of its own.
+AGENT_SOCKET = os.environ.get("CEDANA_TEST_AGENT_SOCKET", "")
+IN_PROCESS_ONLY = (
+    "looks at what exists only where the server runs CRIU itself (its checkpoint root's "
+    "images, CRIU's options, host pids, GPU fakes); the checkpoint agent has its own "
+    "tests (tests/agent/)"
+)
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -57,9 +69,56 @@ def pytest_fixture_setup(fixturedef: Any, request: Any) -> None:
 
 
 def pytest_runtest_setup(item: Any) -> None:
-    # scripts/test.sh runs a subset again as an ordinary user (tests/test_nonroot.py).
+    # scripts/test.sh runs a subset again as an ordinary user, through a checkpoint agent.
     if item.get_closest_marker("root") and os.geteuid() != 0:
         pytest.skip("needs root")
+    if AGENT_SOCKET and item.get_closest_marker("in_process"):
+        pytest.skip(f"with a checkpoint agent: {IN_PROCESS_ONLY}")
+
+
+def with_agent(config: Any) -> Config:
+    """`config` (a Config or a dict of one), with the test run's agent where it has one."""
+    c = Config(config)
+    if AGENT_SOCKET:
+        c.CheckpointAgent.socket = AGENT_SOCKET
+        if "park_on_stop" not in c.KernelParking:
+            # A server parks its kernels when it stops: with the agent their images would
+            # pile up in the agent's store for the whole run (a root server's go with the
+            # test's checkpoint root). The tests that park say so.
+            c.KernelParking.park_on_stop = False
+    return c
+
+
+async def agent_kernel(kernel_id: str) -> dict[str, Any] | None:
+    """What the test run's agent holds of this uid's kernel: its `list` entry, with
+    `image` (the `images` entry) where it has an image; None if it has neither."""
+    async with await AgentClient.connect(AGENT_SOCKET) as client:
+        kernels = await client.list()
+        images = (await client.images()).get("images") or []
+    found = next((k for k in kernels if k.get("kernel_id") == kernel_id), None)
+    image = next((i for i in images if i.get("kernel_id") == kernel_id), None)
+    if found is None and image is None:
+        return None
+    return {**(found or {}), "image": image}
+
+
+async def has_image(checkpoint_root: Path, kernel_id: str) -> bool:
+    """Whether the kernel has a committed image: in the checkpoint root, or at the agent."""
+    if AGENT_SOCKET:
+        return ((await agent_kernel(kernel_id)) or {}).get("image") is not None
+    return (checkpoint_root / kernel_id / "manifest.json").exists()
+
+
+@pytest.fixture
+def jp_configurable_serverapp(jp_configurable_serverapp: Any, jp_server_config: Any) -> Any:
+    """pytest-jupyter's server factory, its servers given the test run's agent."""
+
+    def make(*args: Any, config: Any = None, **kwargs: Any) -> Any:
+        return jp_configurable_serverapp(
+            *args, config=with_agent(jp_server_config if config is None else config), **kwargs
+        )
+
+    return make
 
 
 @pytest.fixture
@@ -75,7 +134,7 @@ def engine_config(checkpoint_root: Path) -> Config:
     # restored lazily: here every one is, so that the lazy path meets every test.
     # tests/test_lazy.py and the server tests cover the default.
     c.CheckpointEngine.lazy_restore_min_bytes = 0
-    return c
+    return with_agent(c)
 
 
 @pytest.fixture(autouse=True)
@@ -84,6 +143,8 @@ def _fresh_engine() -> Any:
     cleared after the test: a server torn down after this fixture still parks its
     kernels with the engine it was configured with, not one on the default root."""
     CheckpointEngine.clear_instance()
+    # Its connection belongs to the event loop of the test that opened it.
+    CheckpointAgent.clear_instance()
     yield
 
 
@@ -135,6 +196,8 @@ async def kernel(engine_config: Config, tmp_path: Path) -> AsyncIterator[Any]:
         yield km
     finally:
         await stop_kernel(km)
+        if CheckpointAgent.initialized():  # its connection, before this test's loop ends
+            await CheckpointAgent.instance().close()
 
 
 async def wait_iopub(kc: Any, timeout: float = 30) -> None:

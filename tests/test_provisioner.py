@@ -24,7 +24,17 @@ from jupyter_cedana.checkpoint import ROOT_MARKER
 from jupyter_cedana.errors import CheckpointCorrupt, Conflict, ResumeFailed, SuspendFailed
 from jupyter_cedana.proctree import process_tree
 from jupyter_cedana.provisioner import KernelState
-from tests.conftest import exited, kernel_pids, run, start_kernel, stop_kernel, wait_iopub
+from tests.conftest import (
+    AGENT_SOCKET,
+    agent_kernel,
+    exited,
+    has_image,
+    kernel_pids,
+    run,
+    start_kernel,
+    stop_kernel,
+    wait_iopub,
+)
 
 pytestmark = pytest.mark.criu
 
@@ -65,6 +75,7 @@ print(json.dumps({
 """
 
 
+@pytest.mark.in_process
 async def test_criu_writing_the_image_itself_keeps_state_too(kernel) -> None:
     """CheckpointEngine.stream_dump = False: CRIU writes the files through the page cache
     and they are hashed as they grow (integrity.FollowingHasher), instead of capture.py."""
@@ -105,6 +116,43 @@ async def test_suspend_resume_keeps_state(kernel, checkpoint_root: Path) -> None
     assert await prov.poll() is None
     assert await kernel.is_alive()
 
+    if AGENT_SOCKET:
+        # The image is root's, at the agent: what the agent says of it.
+        at_agent = await agent_kernel(kernel.kernel_id)
+        assert at_agent is not None and at_agent["state"] == "dumped", at_agent
+        assert at_agent["image"]["bytes"] == result["checkpoint_bytes"] > 8_000_000
+        await prov.resume()
+        assert prov.state == KernelState.running
+        await until_no_image(kernel.kernel_id)  # deleted after a successful resume
+        assert prov.pid not in pids_before  # a new host PID: the agent's PID namespace
+    else:
+        await inspect_image_and_resume(kernel, checkpoint_root, result, pids_before)
+    await wait_iopub(kc)
+    reply, out = await run(kc, STATE_CHECK)
+    assert reply["status"] == "ok", out
+    assert reply["execution_count"] == count_before + 1
+    got = json.loads(out.strip().splitlines()[-1])
+    assert got == {
+        "i": 12345678901234,
+        "s": "héllo wörld" * 3,
+        "arr_sum": float(sum(range(1_000_000)) * 1.5),
+        "arr_4": 6.0,
+        "counting": True,
+        "cwd": str(Path(kernel.provisioner.cwd)),
+        "env": "hello",
+        "env_set": "yes",
+        "pos": 37,
+        "read": "78901",
+        "modules": True,
+        "ppid_ok": True,
+    }
+
+
+async def inspect_image_and_resume(
+    kernel: Any, checkpoint_root: Path, result: dict[str, Any], pids_before: set[int]
+) -> None:
+    """The image in the checkpoint root, then the resume (the server's own CRIU)."""
+    prov = kernel.provisioner
     image = checkpoint_root / kernel.kernel_id
     assert stat.S_IMODE(checkpoint_root.stat().st_mode) == 0o700
     assert stat.S_IMODE(image.stat().st_mode) == 0o700
@@ -128,25 +176,16 @@ async def test_suspend_resume_keeps_state(kernel, checkpoint_root: Path) -> None
         assert prov.pid not in pids_before  # a new host PID, in a new PID namespace
     else:
         assert prov.pid in pids_before  # without one, every task gets its old PID back
-    await wait_iopub(kc)
-    reply, out = await run(kc, STATE_CHECK)
-    assert reply["status"] == "ok", out
-    assert reply["execution_count"] == count_before + 1
-    got = json.loads(out.strip().splitlines()[-1])
-    assert got == {
-        "i": 12345678901234,
-        "s": "héllo wörld" * 3,
-        "arr_sum": float(sum(range(1_000_000)) * 1.5),
-        "arr_4": 6.0,
-        "counting": True,
-        "cwd": str(Path(kernel.provisioner.cwd)),
-        "env": "hello",
-        "env_set": "yes",
-        "pos": 37,
-        "read": "78901",
-        "modules": True,
-        "ppid_ok": True,
-    }
+
+
+async def until_no_image(kernel_id: str, timeout: float = 120) -> None:
+    """Until the agent has no image of the kernel: a lazily restored kernel's goes once
+    its memory is in, which the agent does not announce."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while (found := await agent_kernel(kernel_id)) is not None and found["image"] is not None:
+        assert loop.time() < deadline, found
+        await asyncio.sleep(0.1)
 
 
 def init_cwd(km: Any) -> str:
@@ -208,6 +247,7 @@ async def test_kernel_in_a_read_only_directory_suspends_and_resumes(
     assert not private.exists()  # removed with the kernel
 
 
+@pytest.mark.in_process
 async def test_criu_keeps_its_probe_of_the_linux_kernel_where_it_can(kernel) -> None:
     """criucache: CRIU keeps its probe in /run where that is a tmpfs; where it is not,
     the reason is named."""
@@ -395,7 +435,7 @@ async def test_shutdown_of_suspended_kernel_leaves_nothing(kernel, checkpoint_ro
     prov = kernel.provisioner
     ports = prov._ports()
     await prov.suspend()
-    assert (checkpoint_root / kernel.kernel_id).exists()
+    assert await has_image(checkpoint_root, kernel.kernel_id)
     assert (checkpoint_root / ".parked" / f"{kernel.kernel_id}.json").is_file()
     # The ports stay reserved while suspended.
     with socket.socket() as s, pytest.raises(OSError):
@@ -404,10 +444,13 @@ async def test_shutdown_of_suspended_kernel_leaves_nothing(kernel, checkpoint_ro
     await kernel.shutdown_kernel()
     # Done at the shutdown request: no SIGTERM/SIGKILL grace period spent on it.
     assert kernel._shutdown_status == _ShutdownStatus.ShutdownRequest
-    assert not (checkpoint_root / kernel.kernel_id).exists()
+    assert not await has_image(checkpoint_root, kernel.kernel_id)
     assert [p.name for p in checkpoint_root.iterdir() if p.name not in BOOKKEEPING] == []
-    assert not list((checkpoint_root / ".logs").iterdir())
-    assert not list((checkpoint_root / ".work").iterdir())  # the init's directory too
+    if AGENT_SOCKET:  # its image, output and working directory are the agent's
+        assert await agent_kernel(kernel.kernel_id) is None
+    else:
+        assert not list((checkpoint_root / ".logs").iterdir())
+        assert not list((checkpoint_root / ".work").iterdir())  # the init's directory too
     assert not list((checkpoint_root / ".parked").iterdir())  # its record went with it
     with socket.socket() as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -420,7 +463,7 @@ async def test_restart_of_suspended_kernel_starts_fresh(kernel, checkpoint_root:
     await kernel.provisioner.suspend()
     await kernel.restart_kernel()
     assert kernel.provisioner.state == KernelState.running
-    assert not (checkpoint_root / kernel.kernel_id).exists()
+    assert not await has_image(checkpoint_root, kernel.kernel_id)
     await kc.wait_for_ready(timeout=60)
     await wait_iopub(kc)
     _reply, out = await run(kc, "print('x' in dir())")
@@ -444,6 +487,7 @@ async def test_provisioner_info_carries_suspended_state(kernel) -> None:
 # -- faults -----------------------------------------------------------------------------
 
 
+@pytest.mark.in_process  # the server's CRIU option (ghost_limit); the agent has its own
 async def test_failed_dump_leaves_kernel_running(kernel, checkpoint_root: Path) -> None:
     """A deleted file held open that is larger than the ghost limit makes CRIU refuse."""
     kc = kernel.test_client
@@ -556,7 +600,7 @@ async def test_failed_restore_keeps_image_and_retry_works(
     with pytest.raises(ResumeFailed, match="size"):
         await prov.resume()
     assert prov.state == KernelState.failed and "size" in (prov.reason or "")
-    assert (checkpoint_root / kernel.kernel_id / "manifest.json").exists()
+    assert await has_image(checkpoint_root, kernel.kernel_id)
     assert await prov.poll() is None  # still "alive": the image is the kernel now
     data.write_text("a,b\n1,2\n")
     await prov.resume()
@@ -575,6 +619,7 @@ def restored_by_criu(image: Path) -> tuple[Path, int]:
     raise AssertionError("every page is restored lazily")
 
 
+@pytest.mark.in_process  # it damages the image, which at the agent is root's
 @pytest.mark.parametrize("lazy", [False, True], ids=["whole", "lazy"])
 @pytest.mark.parametrize("damage", ["flip", "truncate", "missing"])
 async def test_corrupt_image_is_detected(
@@ -648,6 +693,7 @@ async def test_transitions_refused_in_wrong_state(kernel) -> None:
         await prov.suspend()
 
 
+@pytest.mark.in_process  # the keeper of a kernel at the agent is the agent's
 async def test_a_restored_kernel_costs_a_small_keeper_and_no_criu(kernel) -> None:
     """After a restore only cedana-init's keeper stands between the server and the kernel
     (CRIU detached: it exits once the tree is restored), well under 5 MB."""
@@ -673,8 +719,8 @@ async def test_a_restored_kernel_costs_a_small_keeper_and_no_criu(kernel) -> Non
 async def test_the_kernel_sees_its_own_processes_in_proc(kernel) -> None:
     """In its own PID namespace the kernel has that namespace's /proc (its own mount
     namespace): PID lookups find the kernel itself, before and after a suspend."""
-    if not kernel.provisioner.engine.pidns:
-        pytest.skip("kernels share the server's PID namespace (not root)")
+    if not AGENT_SOCKET and not kernel.provisioner.engine.pidns:
+        pytest.skip("kernels share the server's PID namespace (not root, no agent)")
     # The same process: pid, comm, ppid and start time (CPU times move between reads).
     code = (
         "import os\n"

@@ -21,6 +21,7 @@ from openapi_schema_validator import OAS30Validator
 from tornado.httpclient import HTTPClientError
 
 from jupyter_cedana.manager import EVENT_SCHEMA
+from tests.conftest import AGENT_SOCKET, agent_kernel, has_image
 
 pytestmark = pytest.mark.criu
 
@@ -157,12 +158,18 @@ async def test_rest_suspend_resume_and_spec(api, new_kernel, jp_serverapp, check
     assert k["state"] == "running" and k["suspendable"] and k["name"] == "python3"
 
     status, k = await api("POST", "kernels", kid, "suspend", spec="/kernels/{kernel_id}/suspend")
-    assert status == 200 and k["state"] == "suspended" and k["tier"] == "disk"
+    assert status == 200 and k["state"] == "suspended" and k["tier"] == "disk", k
     assert k["checkpoint_bytes"] > 0 and k["last_suspend_seconds"] > 0 and k["suspended_at"]
-    assert (checkpoint_root / kid / "manifest.json").exists()
+    assert await has_image(checkpoint_root, kid)
+    if AGENT_SOCKET:
+        at_agent = await agent_kernel(kid)
+        assert at_agent is not None and at_agent["state"] == "dumped", at_agent
+        assert at_agent["image"]["bytes"] == k["checkpoint_bytes"]
 
     status, st = await api("GET", "status", spec="/status")
-    assert st["available"] and st["criu_version"].startswith("4.") and st["bytes_used"] > 0
+    assert st["available"]
+    if not AGENT_SOCKET:  # the agent runs CRIU and keeps the images
+        assert st["criu_version"].startswith("4.") and st["bytes_used"] > 0
     assert st["checkpoint_root"] == str(checkpoint_root)
     assert st["gpu"]["available"] is False and st["gpu"]["reason"]
 
@@ -170,6 +177,12 @@ async def test_rest_suspend_resume_and_spec(api, new_kernel, jp_serverapp, check
     assert status == 200 and k["state"] == "running" and k["last_resume_seconds"] > 0
     # A lazily restored kernel runs before its memory is in; its image goes after that.
     await jp_serverapp.kernel_manager.get_kernel(kid).provisioner.memory_loaded()
+    if AGENT_SOCKET:  # the agent loads the memory, and says nothing when it is in
+        deadline = time.monotonic() + 120
+        while await has_image(checkpoint_root, kid):
+            assert time.monotonic() < deadline, await agent_kernel(kid)
+            await asyncio.sleep(0.1)
+    assert not await has_image(checkpoint_root, kid)
     assert not (checkpoint_root / kid).exists()
 
     # 202 while a transition runs in the background (the answer goes before the dump, a
@@ -181,6 +194,7 @@ async def test_rest_suspend_resume_and_spec(api, new_kernel, jp_serverapp, check
     await until(api, kid, lambda k: k["state"] == "suspended")
 
 
+@pytest.mark.in_process
 async def test_lazy_restore_is_probed_at_start(jp_serverapp):
     """The first resume after a start does not wait for `criu check` (tenths of a
     second on the way to its first output): the server probes in the background."""
@@ -432,6 +446,7 @@ async def test_two_clients_on_one_suspended_kernel(api, new_kernel, connect):
     assert got_b[b]["stdout"] == "two state\n" and got_b[b]["reply"]["status"] == "ok"
 
 
+@pytest.mark.in_process  # it damages the image, which at the agent is root's
 async def test_failed_resume_answers_held_request_and_keeps_image(
     api, new_kernel, connect, checkpoint_root
 ):
@@ -503,7 +518,7 @@ async def test_policy_shuts_down_after_retention(api, new_kernel, jp_serverapp, 
     while kid in jp_serverapp.kernel_manager and time.monotonic() < deadline:
         await asyncio.sleep(0.1)
     assert kid not in jp_serverapp.kernel_manager
-    assert not (checkpoint_root / kid).exists()
+    assert not await has_image(checkpoint_root, kid)
 
 
 async def test_shutdown_of_suspended_kernel_removes_image(
@@ -511,10 +526,13 @@ async def test_shutdown_of_suspended_kernel_removes_image(
 ):
     kid = await new_kernel()
     await api("POST", "kernels", kid, "suspend")
-    assert (checkpoint_root / kid).exists()
+    assert await has_image(checkpoint_root, kid)
     r = await jp_fetch("api", "kernels", kid, method="DELETE")
     assert r.code == 204
+    assert not await has_image(checkpoint_root, kid)
     assert not (checkpoint_root / kid).exists()
+    if AGENT_SOCKET:  # nothing of it is left there
+        assert await agent_kernel(kid) is None
     status, _ = await api("GET", "kernels", kid)
     assert status == 404
 
