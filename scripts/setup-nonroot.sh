@@ -17,6 +17,20 @@ TEST_USERS=(cedana-test cedana-test2)
 for u in "${TEST_USERS[@]}"; do
   id "$u" >/dev/null 2>&1 || { say "creating user $u"; useradd --create-home --shell /bin/bash "$u"; }
 done
+# Earlier versions of this set-up installed a copy of criu carrying file capabilities
+# for group `cedana`, which handed root to its members' notebooks: remove it, and the
+# test users' membership.
+if [ -e /usr/local/lib/cedana/criu ] || [ -e /usr/local/lib/cedana/cedana-pidbase ]; then
+  say "removing the capability-carrying copies in /usr/local/lib/cedana"
+  rm -f /usr/local/lib/cedana/criu /usr/local/lib/cedana/cedana-pidbase
+  rmdir /usr/local/lib/cedana 2>/dev/null || true
+fi
+for u in "${TEST_USERS[@]}"; do
+  if id -nG "$u" | tr ' ' '\n' | grep -qx cedana; then
+    say "removing $u from group cedana"
+    gpasswd -d "$u" cedana >/dev/null
+  fi
+done
 
 # The test users must read this checkout (tests and the editable package live here).
 # A checkout under a private directory (e.g. /root) gets a traverse-only ACL entry for
