@@ -1,7 +1,10 @@
 """A real JupyterHub for the tests: jupyterhub from PyPI, configurable-http-proxy from npm
 (scripts/setup-hub.sh), the dummy authenticator, LocalProcessSpawner starting
 jupyterhub-singleuser as the non-root test users (scripts/setup-nonroot.sh), and
-jupyterhub-idle-culler as a Hub service behind a switch (culler_switch.py).
+jupyterhub-idle-culler as a Hub service behind a switch (culler_switch.py). The users'
+servers launch, suspend and resume their kernels through a real checkpoint agent: as
+root, one this fixture starts; as an ordinary user (scripts/test.sh), the one of the run
+(CEDANA_TEST_AGENT_SOCKET).
 
 Tests talk to it as a browser would: the Hub's REST API and, through the proxy, the
 single-user server's REST API and kernel websockets, with the user's own token.
@@ -22,7 +25,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -32,6 +35,7 @@ import requests
 from tornado.httpclient import HTTPRequest
 from tornado.websocket import websocket_connect
 
+from tests.conftest import AGENT_SOCKET
 from tests.test_cli import children_sigint
 
 REPO = Path(__file__).resolve().parents[2]
@@ -87,7 +91,11 @@ def pre_spawn_hook(spawner):
     root = spawner.user_options.get("checkpoint_root") or os.path.join(
         base, "ckpt", spawner.user.name
     )
-    spawner.args = ["--CedanaApp.checkpoint_root=" + root, "--SuspendPolicy.idle_timeout=0"]
+    spawner.args = [
+        "--CedanaApp.checkpoint_root=" + root,
+        "--SuspendPolicy.idle_timeout=0",
+        "--CheckpointAgent.socket=" + {agent_socket!r},
+    ]
 
 
 c.Spawner.pre_spawn_hook = pre_spawn_hook
@@ -148,8 +156,9 @@ def wait_for(what: str, check: Callable[[], Any], timeout: float = WAIT) -> Any:
 
 
 class Hub:
-    def __init__(self, base: Path):
+    def __init__(self, base: Path, agent_socket: str):
         self.base = base
+        self.agent_socket = agent_socket
         self.port, self.hub_port, self.proxy_api_port = free_port(), free_port(), free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.admin_token = uuid.uuid4().hex
@@ -173,6 +182,7 @@ class Hub:
             python=sys.executable,
             switch_script=str(Path(__file__).parent / "culler_switch.py"),
             switch=str(self.switch),
+            agent_socket=self.agent_socket,
         )
         (self.base / "jupyterhub_config.py").write_text(config)
         etc = self.base / "etc"
@@ -278,6 +288,40 @@ class Hub:
     def root(self, user: str) -> Path:
         return self.base / "ckpt" / user
 
+    # -- the checkpoint agent, as the user sees it ----------------------------------------
+
+    def agent(self, user: str, op: str) -> Any:
+        """The result of one request of `user` to the agent (as that user: the agent
+        answers each uid about its own kernels alone)."""
+        argv = [
+            str(NONROOT_BIN / "python"),
+            "-m",
+            "jupyter_cedana.agent.client",
+            "--socket",
+            self.agent_socket,
+            op,
+        ]
+        if os.geteuid() == 0:
+            argv = ["runuser", "-u", user, "--", *argv]
+        else:
+            assert user == pwd.getpwuid(os.geteuid()).pw_name, user
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd="/")
+        assert done.stdout.strip(), f"no reply from the agent (rc {done.returncode}): {done.stderr}"
+        reply = json.loads(done.stdout)
+        assert reply.get("ok"), reply
+        return reply["result"]
+
+    def at_agent(self, user: str, kernel_id: str) -> dict[str, Any] | None:
+        """The agent's `list` entry of the user's kernel, with `image` (its `images`
+        entry, or None); None when the agent has neither."""
+        kernels = self.agent(user, "list")["kernels"]
+        images = self.agent(user, "images")["images"]
+        found = next((k for k in kernels if k.get("kernel_id") == kernel_id), None)
+        image = next((i for i in images if i.get("kernel_id") == kernel_id), None)
+        if found is None and image is None:
+            return None
+        return {**(found or {}), "image": image}
+
     # -- the user's server, through the proxy ---------------------------------------------
 
     def server(self, user: str, method: str, path: str, token: str | None = None, **kw: Any) -> Any:
@@ -368,12 +412,53 @@ class Hub:
 
 
 @pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_makereport(item: Any, call: Any) -> Iterator[None]:
+def pytest_runtest_makereport(item: Any, call: Any) -> Generator[None, Any, None]:
     outcome = yield
     report = outcome.get_result()
     hub = getattr(item, "funcargs", {}).get("hub")
     if report.when == "call" and report.failed and isinstance(hub, Hub):
         report.sections.append(("JupyterHub log (last lines)", hub.log_tail(150)))
+
+
+@contextlib.contextmanager
+def checkpoint_agent() -> Iterator[str]:
+    """The socket of the agent the users' servers use: the run's, or (as root) one of
+    this module's, on a private socket and state directory, whose kernels end with it."""
+    if AGENT_SOCKET:
+        yield AGENT_SOCKET
+        return
+    if os.geteuid() != 0:
+        pytest.skip(
+            "an ordinary user's server checkpoints through a checkpoint agent: "
+            "set CEDANA_TEST_AGENT_SOCKET (scripts/test.sh starts one as root)"
+        )
+    from tests.agent.conftest import start_agent, wait_listening
+
+    # Root's own and 0755 up to /, as the agent requires, and the users reach the socket.
+    base = Path(tempfile.mkdtemp(prefix="cedana-hub-agent-"))
+    base.chmod(0o755)
+    proc = start_agent(base, kernels_on_stop="kill")
+    try:
+        wait_listening(proc)
+        # Read as it comes: a full pipe would stall the agent.
+        assert proc.stderr is not None
+        with open(base / "agent.log", "w") as log:
+            pump = subprocess.Popen(["cat"], stdin=proc.stderr, stdout=log)
+        try:
+            yield str(base / "run" / "agent.sock")
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            pump.wait(10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        shutil.rmtree(base, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
@@ -385,18 +470,19 @@ def hub() -> Iterator[Hub]:
             pytest.fail(f"user {user} missing: run scripts/setup.sh --test")
     if not PROXY.exists() or not (NONROOT_BIN / "jupyterhub-singleuser").exists():
         pytest.fail("JupyterHub test set-up missing: run scripts/setup.sh --test")
-    base = Path(tempfile.mkdtemp(prefix="cedana-hub-"))
-    base.chmod(0o755)  # the users enter it for their own 0700 directories
-    for d in ("work", "ckpt"):
-        (base / d).mkdir(mode=0o755)
-    h = Hub(base)
-    try:
-        h.start()
-        yield h
-    finally:
-        h.stop()
-        # Whatever the servers left (kernels of a test that failed half-way).
-        for pid in processes_mentioning(str(base)):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        shutil.rmtree(base, ignore_errors=True)
+    with checkpoint_agent() as socket_path:
+        base = Path(tempfile.mkdtemp(prefix="cedana-hub-"))
+        base.chmod(0o755)  # the users enter it for their own 0700 directories
+        for d in ("work", "ckpt"):
+            (base / d).mkdir(mode=0o755)
+        h = Hub(base, socket_path)
+        try:
+            h.start()
+            yield h
+        finally:
+            h.stop()
+            # Whatever the servers left (kernels of a test that failed half-way).
+            for pid in processes_mentioning(str(base)):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            shutil.rmtree(base, ignore_errors=True)

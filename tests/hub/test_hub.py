@@ -1,6 +1,7 @@
-"""A user's kernels through a real JupyterHub, with servers of non-root users: culled or
-stopped servers bring their kernels back with all their state, users cannot reach each
-other's images, and a killed server's suspended kernels come back too."""
+"""A user's kernels through a real JupyterHub, with servers of non-root users whose
+kernels live under the checkpoint agent: culled or stopped servers bring their kernels
+back with all their state, users cannot reach each other's kernels or images, and a
+killed server's kernels, suspended or running, come back too."""
 
 from __future__ import annotations
 
@@ -50,22 +51,25 @@ def notebook_with_state(hub: Hub, user: str, path: str) -> dict[str, Any]:
 
 
 def assert_parked(hub: Hub, user: str, kernel_id: str) -> None:
-    """No process of the kernel is left, and its image is on disk."""
+    """No process of the kernel is left, its image is at the agent, and its record (what
+    the next server adopts it from) in the user's checkpoint root."""
     wait_for("the kernel's processes to end", lambda: not processes_mentioning(kernel_id))
-    manifest = hub.root(user) / kernel_id / "manifest.json"
-    assert manifest.is_file(), sorted(p.name for p in hub.root(user).iterdir())
-    assert json.loads(manifest.read_text())["kernel_id"] == kernel_id
+    found = hub.at_agent(user, kernel_id)
+    assert found is not None and found["state"] == "dumped", found
+    assert found["image"] is not None and found["image"]["bytes"] > 0, found
+    record = hub.root(user) / ".parked" / f"{kernel_id}.json"
+    assert json.loads(record.read_text())["kernel_id"] == kernel_id
 
 
-def assert_adopted(hub: Hub, user: str, session: dict[str, Any]) -> None:
-    """The restarted server lists the same session and kernel, suspended, and the next
-    cell sees the earlier state."""
+def assert_adopted(hub: Hub, user: str, session: dict[str, Any], *others: dict[str, Any]) -> None:
+    """The restarted server lists the same sessions and kernels (`session`'s suspended),
+    and the next cell sees the earlier state."""
     kernel_id = session["kernel"]["id"]
     hub.start_server(user)
     sessions = hub.server(user, "GET", "/sessions").json()
-    assert [(s["id"], s["kernel"]["id"], s["path"]) for s in sessions] == [
-        (session["id"], kernel_id, session["path"])
-    ]
+    assert sorted((s["id"], s["kernel"]["id"], s["path"]) for s in sessions) == sorted(
+        (s["id"], s["kernel"]["id"], s["path"]) for s in (session, *others)
+    )
     state = hub.server(user, "GET", f"/cedana/kernels/{kernel_id}").json()
     assert state["state"] == "suspended", state
     assert hub.execute(user, kernel_id, CHECK).strip() == EXPECTED
@@ -74,9 +78,11 @@ def assert_adopted(hub: Hub, user: str, session: dict[str, Any]) -> None:
 
 def close_and_stop(hub: Hub, user: str, session: dict[str, Any]) -> None:
     """Close the notebook (its kernel shuts down: nothing is parked for the next test)."""
+    kernel_id = session["kernel"]["id"]
     assert hub.server(user, "DELETE", f"/sessions/{session['id']}").status_code == 204
     hub.stop_server(user)
-    assert not (hub.root(user) / session["kernel"]["id"]).exists()
+    assert hub.at_agent(user, kernel_id) is None
+    assert not (hub.root(user) / ".parked" / f"{kernel_id}.json").exists()
 
 
 def test_server_culled_by_the_idle_culler_brings_its_kernel_back(hub: Hub) -> None:
@@ -122,6 +128,7 @@ def test_another_user_cannot_see_or_adopt_the_images(hub: Hub) -> None:
     assert hub.server(OTHER, "GET", "/sessions").json() == []
     assert hub.server(OTHER, "GET", "/cedana/kernels").json() == []
     assert hub.server(OTHER, "GET", f"/kernels/{kernel_id}").status_code == 404
+    assert hub.at_agent(OTHER, kernel_id) is None  # the agent answers each uid alone
     hub.stop_server(OTHER)
 
     assert_parked(hub, USER, kernel_id)
@@ -133,31 +140,47 @@ def test_another_user_cannot_see_or_adopt_the_images(hub: Hub) -> None:
     close_and_stop(hub, USER, session)
 
 
-def test_server_killed_with_sigkill_brings_its_suspended_kernel_back(hub: Hub) -> None:
-    """A killed server cannot park: its running kernels die with it (their watcher sees
-    it go). A suspended kernel's image and record were committed at its suspend: gc
-    leaves them, and the next server adopts the kernel with its session and state."""
+def test_server_killed_with_sigkill_brings_its_kernels_back(hub: Hub) -> None:
+    """A killed server cannot park, and need not: its kernels live under the checkpoint
+    agent, not under it. The running one runs on, the suspended one's image stays at the
+    agent; both records stay in the checkpoint root, and the user's gc, run after such a
+    crash, keeps them. The next server adopts both under their ids, with their sessions
+    and state: the suspended one suspended, the running one running."""
     session = notebook_with_state(hub, USER, "killed.ipynb")
     suspended = session["kernel"]["id"]
-    running = hub.open_notebook(USER, "other.ipynb")["kernel"]["id"]
+    other = hub.open_notebook(USER, "other.ipynb")
+    running = other["kernel"]["id"]
+    assert hub.execute(USER, running, "y = 'still running'; print('ok')").strip() == "ok"
     r = hub.server(USER, "POST", f"/cedana/kernels/{suspended}/suspend")
     assert r.status_code == 200, r.text
-    assert processes_mentioning(running)
+    running_pids = processes_mentioning(running)
+    assert running_pids
 
     os.kill(hub.server_pid(USER), signal.SIGKILL)
     hub.wait_stopped(USER)
-    wait_for("the running kernel to die", lambda: not processes_mentioning(running))
-    assert not (hub.root(USER) / running / "manifest.json").exists()
-    assert (hub.root(USER) / suspended / "manifest.json").is_file()
-    assert (hub.root(USER) / ".parked" / f"{suspended}.json").is_file()
+    # Nothing of either kernel went with the server.
+    assert all(p in processes_mentioning(running) for p in running_pids)
+    assert (hub.at_agent(USER, running) or {}).get("state") == "running"
+    at_rest = hub.at_agent(USER, suspended)
+    assert at_rest is not None and at_rest["state"] == "dumped", at_rest
+    for kid in (suspended, running):
+        assert (hub.root(USER) / ".parked" / f"{kid}.json").is_file(), kid
 
-    # The user's gc, as they would run it after such a crash, keeps it: it is recoverable.
-    assert ("image", suspended) not in gc(hub, USER, "--yes")
-    assert (hub.root(USER) / suspended / "manifest.json").is_file()
+    # The user's gc, as they would run it after such a crash, keeps both: recoverable.
+    removed = gc(hub, USER, "--yes")
+    assert not {k for _, k in removed} & {suspended, running}, removed
+    for kid in (suspended, running):
+        assert (hub.root(USER) / ".parked" / f"{kid}.json").is_file(), kid
 
-    assert_adopted(hub, USER, session)
+    assert_adopted(hub, USER, session, other)
+    state = hub.server(USER, "GET", f"/cedana/kernels/{running}").json()
+    assert state["state"] == "running", state
+    assert hub.execute(USER, running, "print(y)").strip() == "still running"
+    assert all(p in processes_mentioning(running) for p in running_pids)  # the same process
+    assert hub.server(USER, "DELETE", f"/sessions/{other['id']}").status_code == 204
     close_and_stop(hub, USER, session)
-    assert not (hub.root(USER) / ".parked" / f"{suspended}.json").exists()
+    assert hub.at_agent(USER, running) is None
+    assert not (hub.root(USER) / ".parked" / f"{running}.json").exists()
 
 
 def gc(hub: Hub, user: str, *args: str) -> set[tuple[str, str]]:
