@@ -3,8 +3,8 @@ kernels live under the checkpoint agent: launched, interrupted, suspended, resum
 down through it.
 
 Real parts: the agent runs as root (tests/agent/conftest.py); the server runs as
-cedana-test with the users' virtualenv and without the `cedana` group, so that the
-capability-carrying CRIU is out of its reach and the agent is its only way to checkpoint;
+cedana-test with the users' virtualenv, no supplementary group and no capability, so
+that the agent is its only way to checkpoint (a `criu` first on its PATH records any run);
 real ipykernel; cells go through the server's kernel websocket as a notebook's do."""
 
 from __future__ import annotations
@@ -331,7 +331,7 @@ def start_user_server(base: Path, user: str, agent_socket: Path) -> UserServer:
     # First on the PATH: a `criu` that only records that it ran. A server on the agent
     # runs no CRIU of its own.
     tripwire = home / "tripwire"
-    tripwire.mkdir(mode=0o755)
+    tripwire.mkdir(mode=0o755, exist_ok=True)
     marker = home / "criu-ran"
     (tripwire / "criu").write_text(f'#!/bin/sh\necho "criu $*" >> {marker}\nexit 1\n')
     (tripwire / "criu").chmod(0o755)
@@ -367,7 +367,7 @@ def start_user_server(base: Path, user: str, agent_socket: Path) -> UserServer:
             env=env,
             user=entry.pw_uid,
             group=entry.pw_gid,
-            # Not the `cedana` group: the capability-carrying CRIU must be out of reach.
+            # No supplementary group: nothing privileged is within its reach.
             extra_groups=[],
             stdin=subprocess.DEVNULL,
             stdout=out,
