@@ -260,7 +260,7 @@ class UserServer(Server):
                 cwd=self.workdir,
                 user=self.user.pw_uid,
                 group=self.user.pw_gid,
-                extra_groups=[],  # not the capable CRIU's group: only the agent checkpoints
+                extra_groups=[],  # a server on the agent needs no group but its own
             )
 
 
