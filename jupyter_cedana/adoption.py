@@ -107,7 +107,7 @@ async def claim_adoption(prov: Any) -> KernelConnectionInfo | None:
         prov.attach_at_agent(agent.kernel(str(prov.kernel_id)), running_pid)
     else:
         prov.adopt_gpu_state(manifest.get("gpu"))
-    prov.take_record(plan.held)  # locked for as long as this server owns the kernel
+    prov.records.take(plan.held)  # locked for as long as this server owns the kernel
     return cast(KernelConnectionInfo, info)
 
 
@@ -235,7 +235,7 @@ class Adopter:
 
     def _owns(self, kid: str, held: HeldRecord) -> bool:
         prov = getattr(self.mkm.get_kernel(kid), "provisioner", None)
-        return getattr(prov, "held_record", None) is held
+        return getattr(getattr(prov, "records", None), "held", None) is held
 
     def _skip(self, kid: str, why: str, level: str = "warning") -> str:
         getattr(self.log, level)("jupyter-cedana: parked kernel %s not adopted: %s", kid, why)

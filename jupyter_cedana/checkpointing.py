@@ -27,11 +27,13 @@ from .dumping import DumpResult, dir_bytes, tree_rss
 from .errors import (
     CedanaError,
     Conflict,
+    EngineUnavailable,
     InsufficientStorage,
     NotCheckpointable,
     SuspendFailed,
 )
 from .incremental import INDEX_NAME, PageIndex, manifest_token
+from .kernel_ports import kernel_ports
 from .pids import task_ids
 from .proctree import process_tree
 from .restoring import Restoring
@@ -44,17 +46,15 @@ CHAIN_LIMIT = 1.2
 class Checkpointing(Restoring):
     """suspend() of the provisioner's kernel."""
 
-    # Implemented by the provisioner (the record holds its connection and ports).
-    async def record(self, suspended_at: float | None = None) -> dict[str, Any]:
-        raise NotImplementedError
-
-    def hold_record(self, record: dict[str, Any]) -> Any:
-        raise NotImplementedError
-
     async def suspend(self, tier: str = "disk") -> dict[str, Any]:
         """Checkpoint the kernel (process tree and GPU memory) and free its resources."""
         if tier not in ("disk", "offload"):
             raise ValueError(f"unknown tier {tier!r}")
+        if self.not_checkpointable:
+            raise EngineUnavailable(
+                f"Kernel {self.kernel_id} cannot be suspended: it was started while "
+                f"{self.not_checkpointable[0].lower()}{self.not_checkpointable[1:]}"
+            )
         self._refuse_while_shutting_down()
         return await self._once(f"suspend-{tier}", lambda: self._suspend(tier))
 
@@ -66,7 +66,7 @@ class Checkpointing(Restoring):
             raise Conflict(
                 f"Kernel {self.kernel_id} failed to resume ({self.reason}); resume it first"
             )
-        if self.state == KernelState.running and (not self.pid or await self.poll() is not None):
+        if self.state == KernelState.running and not await self.process_alive():
             raise Conflict(f"Kernel {self.kernel_id} is not running")
         previous = self.state
         # Shown at once (a 202 says `suspending`); clients' messages are held from now on.
@@ -179,7 +179,7 @@ class Checkpointing(Restoring):
         self.suspended_at = time.time()
         self.last_suspend_seconds = time.monotonic() - t0
         self.checkpoint_bytes = int(dumped.get("bytes") or 0)
-        self._reserve_ports()
+        self.port_hold.reserve(self.connection_info)
         self._set_state(KernelState.suspended)
         self.log.info(
             "Suspended kernel %s through the checkpoint agent in %.2f s (%d bytes)",
@@ -259,9 +259,9 @@ class Checkpointing(Restoring):
         committed = False
         try:
             self._set_progress("verify", None, None)
-            pid, ports, spec = self.pid or 0, self._ports(), self._spec_name()
+            pid, ports, spec = self.pid or 0, kernel_ports(self.connection_info), self._spec_name()
             suspended_at = time.time()
-            record = await self.record(suspended_at=suspended_at)
+            record = await self.records.build(suspended_at)
 
             def commit() -> dict[str, Any]:
                 nonlocal committed
@@ -274,7 +274,7 @@ class Checkpointing(Restoring):
                     self.log.warning("Kernel %s: lazy marks left as CRIU wrote them: %s", kid, e)
                     marked = 0
                 try:
-                    self.hold_record(record)
+                    self.records.hold(record)
                 except OSError as e:
                     raise SuspendFailed(
                         f"Suspend of kernel {kid} failed: its record (what a server started "
@@ -305,7 +305,7 @@ class Checkpointing(Restoring):
             manifest = await asyncio.to_thread(commit)
         except BaseException as e:
             if not committed:
-                self._drop_record()  # no image was committed: a record would promise one
+                self.records.drop()  # no image was committed: a record would promise one
             await self._undo_dump(e, tmp, pids, gpu, gpu_state if not from_offload else None)
             self.log.error("%s", getattr(e, "message", None) or e)
             if isinstance(e, SuspendFailed):
@@ -327,7 +327,7 @@ class Checkpointing(Restoring):
             # From CRIU's start (it freezes the tree at once) until the tree is gone.
             "frozen_s": dumped.seconds + t_killed - t_dumped,
         }
-        self._reserve_ports()
+        self.port_hold.reserve(self.connection_info)
         if dumped.delta is not None:  # the next suspend's base, unless the image goes
             self._background(
                 asyncio.to_thread(_save_index, dumped.delta.index, store.path(kid), manifest)

@@ -242,7 +242,7 @@ class KernelParking(LoggingConfigurable):
             # A kernel at the agent has its record running too (sessions included).
             await prov.write_agent_record()
             return
-        if prov.held_record is None or prov.state not in (
+        if prov.records.held is None or prov.state not in (
             KernelState.suspended,
             KernelState.failed,
         ):
@@ -252,8 +252,8 @@ class KernelParking(LoggingConfigurable):
             # On the event loop, not in a thread: no resume (which drops the record) or
             # suspend (which writes it) can run in between; the file is small.
             at_rest = prov.state in (KernelState.suspended, KernelState.failed)
-            if prov.held_record is not None and at_rest and prov.transition_in_flight is None:
-                prov.hold_record(record)
+            if prov.records.held is not None and at_rest and prov.transition_in_flight is None:
+                prov.records.hold(record)
         except Exception as e:
             self.log.warning(
                 "jupyter-cedana: kernel %s: its record could not be updated with its sessions: %s",
@@ -396,7 +396,7 @@ class KernelParking(LoggingConfigurable):
             self.log.info("jupyter-cedana: kernel %s: its restore was abandoned: %s", kid, late)
             return await self._park_one(kid, km, prov, asyncio.Semaphore(1), set())
         loading = prov.memory_loading
-        if loading is None or prov.held_record is None or not self._store.exists(kid):
+        if loading is None or prov.records.held is None or not self._store.exists(kid):
             return None
         resumed = prov.resumed_at
         # The load kills the kernel and keeps its image (state failed), with this reason.
@@ -410,7 +410,7 @@ class KernelParking(LoggingConfigurable):
             record = await prov.record()
             # The next server says what was lost (adoption.py: _rolled_back).
             record["resumed_at"] = resumed
-            await asyncio.to_thread(prov.hold_record, record)
+            await asyncio.to_thread(prov.records.hold, record)
         except Exception as e:
             self.log.warning(
                 "jupyter-cedana: kernel %s: its record could not be brought up to date (%s); "
@@ -489,12 +489,12 @@ class KernelParking(LoggingConfigurable):
         kept all the same). Never a reason to delete the image."""
         try:
             record = await prov.record()
-            await asyncio.to_thread(prov.hold_record, record)
+            await asyncio.to_thread(prov.records.hold, record)
             return True
         except Exception as e:
             error = e
         image = self._store.path(kid)
-        if prov.held_record is not None:
+        if prov.records.held is not None:
             self.log.warning(
                 "jupyter-cedana: kernel %s: its record could not be brought up to date (%s); "
                 "it is parked with the record written when it was suspended (sessions and "
@@ -561,8 +561,8 @@ class KernelParking(LoggingConfigurable):
         mkm.remove_kernel(kid)
         with contextlib.suppress(Exception):
             km.cleanup_connection_file()
-        prov.release_ports()
-        prov.release_record()  # for the next server to take
+        prov.port_hold.release()
+        prov.records.release()  # for the next server to take
 
 
 _IMAGE_KEPT = "image kept, no record"

@@ -14,10 +14,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime as dt
-import json
 import os
 import signal
-import socket
 import subprocess
 import time
 from pathlib import Path
@@ -31,15 +29,15 @@ from traitlets import TraitError
 from .adoption import claim_adoption
 from .checkpoint_agent import AgentKernel, CheckpointAgent, agent_for
 from .checkpointing import Checkpointing
-from .errors import Conflict
+from .errors import Conflict, EngineUnavailable
+from .kernel_ports import PortHold
+from .kernel_record import RecordHolder
 from .launch import check_executable, ipykernel_options, is_ipykernel, output_tail
-from .parkrecords import RECORD_FORMAT, HeldRecord, server_facts
+from .parkrecords import RECORD_FORMAT, server_facts
 from .proctree import process_tree
 from .transitions import KernelState, Listener, Progress, TransitionMachine
 
-__all__ = ["PORT_NAMES", "CedanaProvisioner", "KernelState", "Listener", "Progress"]
-
-PORT_NAMES = ("shell_port", "iopub_port", "stdin_port", "hb_port", "control_port")
+__all__ = ["CedanaProvisioner", "KernelState", "Listener", "Progress"]
 
 
 class CedanaProvisioner(Checkpointing, TransitionMachine, LocalProvisioner):  # type: ignore[misc]
@@ -48,11 +46,14 @@ class CedanaProvisioner(Checkpointing, TransitionMachine, LocalProvisioner):  # 
     def __init__(self, **kwargs: Any):
         super().__init__(**kwargs)
         self._init_transitions()
-        self._reserved: list[socket.socket] = []
+        self.port_hold = PortHold(self.log, self.kernel_id)
         self._gpu_state: dict[str, Any] | None = None
         self._chores: set[asyncio.Future[Any]] = set()
         self._exit_told: Any = None  # the process whose exit was logged
-        self._record: HeldRecord | None = None  # while suspended to disk (or failed with it)
+        # Its park record: while suspended to disk (or failed with it); always at the agent.
+        self.records = RecordHolder(
+            lambda: self.engine.store, self.record, self.log, self.kernel_id
+        )
         # The kernel at the checkpoint agent, when one is configured (checkpoint_agent.py).
         self.remote: AgentKernel | None = None
         self._record_closed = False  # shut down: no record of it may be written again
@@ -78,14 +79,15 @@ class CedanaProvisioner(Checkpointing, TransitionMachine, LocalProvisioner):  # 
             return adopted
         agent = agent_for(self.parent)
         if agent is not None:
-            return await self._launch_at_agent(agent, cmd, kwargs)
+            try:
+                return await self._launch_at_agent(agent, cmd, kwargs)
+            except EngineUnavailable as e:
+                # The user gets a kernel all the same, one that cannot be suspended.
+                self.log.warning("Kernel %s: %s; it runs uncheckpointed", self.kernel_id, e)
+                return await self._launch_plain(cmd, kwargs, e.message)
         if os.geteuid() != 0:
-            # Not root and no agent: nothing here can checkpoint (engine.py says why),
-            # so the kernel runs as the stock provisioner runs it.
-            connection_info = await LocalProvisioner.launch_kernel(self, cmd, **kwargs)
-            self.state = KernelState.running
-            self.reason = None
-            return connection_info
+            # Not root and no agent: nothing here can checkpoint (engine.py says why).
+            return await self._launch_plain(cmd, kwargs, None)
         engine = self.engine
         store = engine.store
         store.ensure_root()
@@ -128,6 +130,16 @@ class CedanaProvisioner(Checkpointing, TransitionMachine, LocalProvisioner):  # 
         self.state = KernelState.running
         self.reason = None
         return self.connection_info
+
+    async def _launch_plain(
+        self, cmd: list[str], kwargs: dict[str, Any], why: str | None
+    ) -> KernelConnectionInfo:
+        """The kernel runs as the stock provisioner runs it: nothing can checkpoint it."""
+        connection_info = await LocalProvisioner.launch_kernel(self, cmd, **kwargs)
+        self.state = KernelState.running
+        self.reason = None
+        self.not_checkpointable = why
+        return connection_info
 
     async def _launch_at_agent(
         self, agent: CheckpointAgent, cmd: list[str], kwargs: dict[str, Any]
@@ -189,7 +201,7 @@ class CedanaProvisioner(Checkpointing, TransitionMachine, LocalProvisioner):  # 
         if self.state not in (KernelState.running, KernelState.suspended):
             return
         try:
-            self.hold_record(await self.record())
+            self.records.hold(await self.record())
         except Exception as e:
             self.log.warning(
                 "Kernel %s: its record could not be written (%s): a server killed now "
@@ -223,6 +235,8 @@ class CedanaProvisioner(Checkpointing, TransitionMachine, LocalProvisioner):  # 
     async def poll(self) -> int | None:
         if self.remote is not None and self.state == KernelState.running:
             await self.remote.refresh()
+            if self.remote.restore_failed is not None and self.process is self.remote:
+                self._restore_failed_at_agent(self.remote.restore_failed)
         if self._offloaded_process_died():
             return self.process.poll() if self.process is not None else 0
         if self.state != KernelState.running or self.holds_image:
@@ -249,6 +263,17 @@ class CedanaProvisioner(Checkpointing, TransitionMachine, LocalProvisioner):  # 
             code,
             tail or "(none)",
         )
+
+    def _restore_failed_at_agent(self, cause: str) -> None:
+        """The agent stopped the kernel, its memory not all restored, and kept its image:
+        as a failed lazy restore here, the kernel is `failed` and the next cell resumes
+        it from that image."""
+        self.process = None
+        self.pid = None
+        self.port_hold.reserve(self.connection_info)
+        self.work_lost_after = self.work_lost_after or self.resumed_at
+        self.log.error("Kernel %s killed by the checkpoint agent: %s", self.kernel_id, cause)
+        self._set_state(KernelState.failed, reason=self._lost(cause))
 
     def _offloaded_process_died(self) -> bool:
         """An offloaded kernel keeps its process (so does one failed with its GPU state
@@ -347,8 +372,8 @@ class CedanaProvisioner(Checkpointing, TransitionMachine, LocalProvisioner):  # 
                     self.process.wait(10)
         self.engine.store.remove(self.kernel_id_str)
         self._record_closed = True
-        self._drop_record()
-        self._release_ports()
+        self.records.drop()
+        self.port_hold.release()
         self.process = None
         self._gpu_state = None
         self._gpu_lost = False
@@ -360,7 +385,7 @@ class CedanaProvisioner(Checkpointing, TransitionMachine, LocalProvisioner):  # 
     async def cleanup(self, restart: bool = False) -> None:
         await self._abort_for_shutdown(restart)
         self._discard_if_suspended()
-        self._release_ports()
+        self.port_hold.release()
         if self.remote is not None:
             await self.remote.release()
         if not restart:
@@ -368,7 +393,7 @@ class CedanaProvisioner(Checkpointing, TransitionMachine, LocalProvisioner):  # 
             with contextlib.suppress(Exception):
                 store.remove(self.kernel_id_str)
             self._record_closed = True
-            self._drop_record()
+            self.records.drop()
         # An image being deleted in the background (after a resume) is not left half gone
         # by a server that stops right after.
         await asyncio.gather(*self._chores, return_exceptions=True)
@@ -393,7 +418,7 @@ class CedanaProvisioner(Checkpointing, TransitionMachine, LocalProvisioner):  # 
         self.suspended_at = provisioner_info.get("cedana_suspended_at")
         self.checkpoint_bytes = provisioner_info.get("cedana_checkpoint_bytes", 0)
         if self.state == KernelState.suspended:
-            self._reserve_ports()
+            self.port_hold.reserve(self.connection_info)
 
     # -- the record of a suspended kernel --------------------------------------------------
 
@@ -427,26 +452,6 @@ class CedanaProvisioner(Checkpointing, TransitionMachine, LocalProvisioner):  # 
         }
 
     @property
-    def held_record(self) -> HeldRecord | None:
-        return self._record if self._record is not None and self._record.held else None
-
-    def hold_record(self, record: dict[str, Any]) -> HeldRecord:
-        """Write the kernel's record (or new content for it) and keep its lock; on
-        failure (e.g. ENOSPC) the previous record, if any, stays as it was."""
-        held = self.held_record
-        if held is not None:
-            held.replace(record)
-            return held
-        self._record = HeldRecord.create(self.engine.store, record)
-        return self._record
-
-    def take_record(self, held: HeldRecord) -> None:
-        """Adoption: this kernel's record, locked by the adopting server, is this one's."""
-        if self._record is not None and self._record is not held:
-            self._record.release()
-        self._record = held
-
-    @property
     def memory_loading(self) -> asyncio.Future[None] | None:
         """A lazy restore's memory still coming in from the image, or None."""
         return self._loading
@@ -454,75 +459,6 @@ class CedanaProvisioner(Checkpointing, TransitionMachine, LocalProvisioner):  # 
     def adopt_gpu_state(self, state: dict[str, Any] | None) -> None:
         """The GPU state an adopted kernel's image holds (its manifest's "gpu")."""
         self._gpu_state = state
-
-    def release_record(self) -> None:
-        """Parked: the record stays for the next server, which takes its lock."""
-        if self._record is not None:
-            self._record.release()
-            self._record = None
-
-    def _note_resumed_lazily(self) -> None:
-        """The kernel runs while its memory comes in from the image, which stays (with
-        its record) until then: if the server dies meanwhile, the next one brings back
-        the image, and must say that what the kernel did since this resume is lost."""
-        held = self.held_record
-        if held is None:
-            return
-        try:
-            record = json.loads(held.path.read_text())
-            record["resumed_at"] = time.time()
-            held.replace(record)  # on the event loop: no transition can interleave
-        except (OSError, ValueError) as e:
-            self.log.warning(
-                "Kernel %s: could not note its resume in its record: %s", self.kernel_id, e
-            )
-
-    def _drop_record(self) -> None:
-        """The image is gone or superseded (resumed, shut down): so is the record."""
-        if self._record is not None:
-            try:
-                self._record.remove()
-            except OSError as e:
-                self.log.warning("Kernel %s: could not remove its record: %s", self.kernel_id, e)
-            self._record = None
-
-    # -- ports ----------------------------------------------------------------------------
-
-    def _ports(self) -> list[int]:
-        info = getattr(self, "connection_info", None) or {}
-        return [int(info[n]) for n in PORT_NAMES if info.get(n)]
-
-    def _reserve_ports(self) -> None:
-        """Hold the kernel's ports while it has no process, so no other program takes them
-        and the restore can bind them again."""
-        ip = (getattr(self, "connection_info", None) or {}).get("ip", "127.0.0.1")
-        for port in self._ports():
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                s.bind((ip, port))
-                # Listening (not just bound) is what makes Linux refuse other binds, even
-                # SO_REUSEADDR ones; queued client connections are reset when it closes.
-                # A full queue would drop clients' SYNs instead, and TCP's retransmission
-                # backoff would keep them away from the restored kernel for up to a minute.
-                s.listen(socket.SOMAXCONN)
-            except OSError as e:
-                s.close()
-                self.log.warning(
-                    "Could not reserve port %s of kernel %s: %s", port, self.kernel_id, e
-                )
-                continue
-            self._reserved.append(s)
-
-    def release_ports(self) -> None:
-        """Let go of the ports held for a kernel with no process (it was parked: the next
-        server holds them)."""
-        self._release_ports()
-
-    def _release_ports(self) -> None:
-        for s in self._reserved:
-            s.close()
-        self._reserved = []
 
 
 def _keep_agent_record(prov: Any, what: str) -> None:

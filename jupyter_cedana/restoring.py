@@ -36,6 +36,8 @@ from .errors import (
 from .gpu_steps import GpuSteps
 from .incremental import INDEX_NAME, PageIndex
 from .integrity import is_page_file
+from .kernel_ports import PortHold
+from .kernel_record import RecordHolder
 from .pids import check_free
 from .proctree import process_tree, stat_fields
 from .timestamps import iso
@@ -71,6 +73,11 @@ class Restoring(GpuSteps):
     image_guard: Callable[[str, int], None] | None = None
     _loading: asyncio.Future[None] | None = None  # a lazy restore's pages coming in
     remote: AgentKernel | None = None  # the kernel at the checkpoint agent, if one is used
+    port_hold: PortHold  # the kernel's ports while it has no process
+    records: RecordHolder  # its park record
+    # Why nothing can checkpoint this kernel (it was launched without the agent), if so.
+    not_checkpointable: str | None = None
+    connection_info: Any
 
     @functools.cached_property
     def engine(self) -> CheckpointEngine:
@@ -82,18 +89,11 @@ class Restoring(GpuSteps):
     def kernel_id_str(self) -> str:
         return str(self.kernel_id)
 
-    # Implemented by the provisioner (the process and its ports are its business).
-    async def poll(self) -> int | None:
-        raise NotImplementedError
-
-    def _ports(self) -> list[int]:
-        raise NotImplementedError
-
-    def _reserve_ports(self) -> None:
-        raise NotImplementedError
-
-    def _release_ports(self) -> None:
-        raise NotImplementedError
+    async def process_alive(self) -> bool:
+        """Whether the kernel's process runs (asked of the agent for a kernel there)."""
+        if self.remote is not None:
+            await self.remote.refresh()
+        return bool(self.pid) and self.process is not None and self.process.poll() is None
 
     async def resume(self) -> dict[str, Any]:
         """Restore a suspended kernel; on failure the image is kept and a retry may work."""
@@ -239,7 +239,7 @@ class Restoring(GpuSteps):
                     readahead.start(functools.partial(readahead.of_image, images))
                 verify = asyncio.ensure_future(asyncio.to_thread(store.verify, kid, verified))
             t_checked = time.monotonic()
-            self._release_ports()
+            self.port_hold.release()
             proc = engine.start_restore(images, work, pidfile, lazy=pages is not None)
             restored = asyncio.ensure_future(engine.wait_restored(proc, work, pidfile))
             # A checksum mismatch stops the restore at once, whatever CRIU is doing.
@@ -281,7 +281,7 @@ class Restoring(GpuSteps):
             damaged = None if verify.cancelled() else verify.exception()
             if isinstance(damaged, CheckpointCorrupt):
                 err = damaged  # explains a CRIU failure better than CRIU does
-            self._reserve_ports()
+            self.port_hold.reserve(self.connection_info)
             self._fail_resume(kid, previous, err)
             raise self._as_resume_error(kid, err) from caught
         assert proc is not None and pid is not None
@@ -299,7 +299,7 @@ class Restoring(GpuSteps):
         if pages is not None:
             # The image (and the record) stays until every page is in.
             self._loading = asyncio.ensure_future(self._load_memory(pages, proc, pid))
-            self._note_resumed_lazily()
+            self.records.note_resumed_lazily()
         else:
             self._image_superseded()
         self.tier = None
@@ -321,20 +321,22 @@ class Restoring(GpuSteps):
         self._set_state(KernelState.resuming)
         self._set_progress("restore", None, self.checkpoint_bytes or None)
         t0 = time.monotonic()
-        self._release_ports()
+        self.port_hold.release()
         try:
             pid = await self.remote.restore(lazy=self.engine.lazy_restore)
         except BaseException as e:
-            self._reserve_ports()
+            self.port_hold.reserve(self.connection_info)
             self._fail_resume(kid, previous, e)
             raise self._as_resume_error(kid, e) from e
         self.process = self.remote
         self.pid = pid
         self.last_resume_seconds = time.monotonic() - t0
         self.tier = None
+        self.image_taken_at = self.suspended_at or self.image_taken_at
         self.suspended_at = None
         self.resumed_at = time.time()
-        self._set_state(KernelState.running)
+        self._set_state(KernelState.running, reason=self._rolled_back())
+        self.work_lost_after = None  # told (the state's reason)
         self.log.info(
             "Resumed kernel %s through the checkpoint agent in %.2f s (pid %s)",
             kid,
@@ -356,17 +358,11 @@ class Restoring(GpuSteps):
         big = int(held or 0) >= min_bytes
         return chunked and big and not gpu_state and lazy_off is None
 
-    def _drop_record(self) -> None:
-        raise NotImplementedError
-
-    def _note_resumed_lazily(self) -> None:
-        raise NotImplementedError
-
     def _image_superseded(self) -> None:
         """The resumed kernel runs on its own memory: its record goes (a server started
         after a crash must not bring back the older state in the image), and so does the
         image unless CheckpointEngine.keep_image_after_resume."""
-        self._drop_record()
+        self.records.drop()
         if self.engine.keep_base:
             # Indexed while the kernel runs, so that its next suspend need not read it.
             images = self.engine.store.path(self.kernel_id_str)
@@ -402,7 +398,7 @@ class Restoring(GpuSteps):
                 await asyncio.to_thread(proc.wait, 10)
             if self.process is proc:
                 self.process = None
-            self._reserve_ports()
+            self.port_hold.reserve(self.connection_info)
             cause = getattr(e, "message", None) or str(e) or type(e).__name__
             self.log.error("Kernel %s killed, its image kept: %s", kid, cause)
             if self.state == KernelState.running:

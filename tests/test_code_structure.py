@@ -26,7 +26,7 @@ SERVER = {
     "app", "handlers", "manager", "gate", "websocket", "replies", "links", "policy",
     "limits", "backoff", "kernel_facts", "kernel_view", "kernel_events", "metrics",
     "status", "parking", "adoption", "provisioner", "checkpointing", "restoring",
-    "transitions", "gpu_steps", "bases", "checkpoint_agent",
+    "transitions", "gpu_steps", "bases", "checkpoint_agent", "kernel_ports", "kernel_record",
 }  # fmt: skip
 # `jupyter cedana`: talks to servers over REST and reads stores; no server internals.
 CLI = {"cli", "cli_gc", "cli_text", "serverclient"}

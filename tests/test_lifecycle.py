@@ -20,6 +20,7 @@ from jupyter_client.manager import AsyncKernelManager
 
 from jupyter_cedana.checkpoint import ROOT_MARKER
 from jupyter_cedana.errors import Conflict, SuspendFailed
+from jupyter_cedana.kernel_ports import kernel_ports
 from jupyter_cedana.proctree import process_tree
 from jupyter_cedana.provisioner import KernelState
 from tests.conftest import kernel_pids, run, wait_iopub
@@ -141,7 +142,7 @@ async def test_shutdown_during_dump_leaves_nothing(
     kernel, criu_hold, checkpoint_root: Path, point: str
 ) -> None:
     old = kernel_pids(kernel)
-    ports = kernel.provisioner._ports()
+    ports = kernel_ports(kernel.provisioner.connection_info)
     suspend = await held_suspend(kernel, criu_hold, point)
 
     await kernel.shutdown_kernel()
@@ -182,7 +183,7 @@ async def test_restart_during_restore_runs_a_fresh_kernel(
 async def test_shutdown_during_restore_leaves_nothing(
     kernel, criu_hold, checkpoint_root: Path, point: str
 ) -> None:
-    ports = kernel.provisioner._ports()
+    ports = kernel_ports(kernel.provisioner.connection_info)
     resume, restored = await held_resume(kernel, criu_hold, checkpoint_root, point)
 
     await kernel.shutdown_kernel()

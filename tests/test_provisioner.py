@@ -22,6 +22,7 @@ from jupyter_client.manager import _ShutdownStatus
 from jupyter_cedana import crimg, criucache
 from jupyter_cedana.checkpoint import ROOT_MARKER
 from jupyter_cedana.errors import CheckpointCorrupt, Conflict, ResumeFailed, SuspendFailed
+from jupyter_cedana.kernel_ports import kernel_ports
 from jupyter_cedana.proctree import process_tree
 from jupyter_cedana.provisioner import KernelState
 from tests.conftest import (
@@ -433,7 +434,7 @@ async def test_orphans_are_reaped(kernel) -> None:
 
 async def test_shutdown_of_suspended_kernel_leaves_nothing(kernel, checkpoint_root: Path) -> None:
     prov = kernel.provisioner
-    ports = prov._ports()
+    ports = kernel_ports(prov.connection_info)
     await prov.suspend()
     assert await has_image(checkpoint_root, kernel.kernel_id)
     assert (checkpoint_root / ".parked" / f"{kernel.kernel_id}.json").is_file()
@@ -477,11 +478,11 @@ async def test_provisioner_info_carries_suspended_state(kernel) -> None:
     assert info["cedana_state"] == "suspended" and info["cedana_tier"] == "disk"
     other = type(prov)(kernel_id=prov.kernel_id, kernel_spec=prov.kernel_spec, parent=kernel)
     other.connection_info = prov.connection_info
-    prov._release_ports()  # hand the reservation over, as a server restart would
+    prov.port_hold.release()  # hand the reservation over, as a server restart would
     await other.load_provisioner_info(info)
     assert other.state == KernelState.suspended and await other.poll() is None
-    other._release_ports()
-    prov._reserve_ports()
+    other.port_hold.release()
+    prov.port_hold.reserve(prov.connection_info)
 
 
 # -- faults -----------------------------------------------------------------------------
