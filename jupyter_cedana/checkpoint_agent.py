@@ -184,6 +184,9 @@ class AgentKernel:
         self.pid = 0
         self.returncode: int | None = None
         self.has_image = False  # dumped, or a failed restore kept its image
+        # Why the agent stopped the kernel and dumped it back (its memory could not all
+        # be restored): the server then says the resume failed.
+        self.restore_failed: str | None = None
 
     # -- Popen-shaped ---------------------------------------------------------------------
 
@@ -199,15 +202,25 @@ class AgentKernel:
         if self.returncode is not None or not self.pid:
             return self.returncode
         try:
-            code = await self.agent.call(lambda c: c.poll(self.kernel_id))
+            status = await self.agent.call(lambda c: c.status(self.kernel_id))
         except EngineUnavailable:
             return None
         except AgentError as e:
             if e.code != "not_found":
                 return None
-            code = EXIT_UNKNOWN  # the agent no longer knows it: it is gone
-        self.returncode = code
-        return code
+            self.returncode = EXIT_UNKNOWN  # the agent no longer knows it: it is gone
+            return self.returncode
+        if status.get("state") == "dumped":
+            self.restore_failed = str(status.get("note") or "it was stopped by the agent")
+            self.has_image = True
+            self.pid = 0
+            return None
+        code = status.get("returncode")
+        if isinstance(code, int):
+            self.returncode = code
+        elif status.get("state") == "exited":
+            self.returncode = EXIT_UNKNOWN
+        return self.returncode
 
     # -- the agent's ops ------------------------------------------------------------------
 
@@ -243,6 +256,7 @@ class AgentKernel:
         except AgentError as e:
             raise _as_cedana(e, "resume", ResumeFailed) from e
         self.has_image = False
+        self.restore_failed = None
         self.pid = int(reply["pid"])
         self.returncode = None
         return self.pid

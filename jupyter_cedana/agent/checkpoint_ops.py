@@ -327,7 +327,7 @@ class CheckpointOps:
             else:
                 # The image stays until every page is in.
                 key = (caller.uid, kid)
-                task = asyncio.ensure_future(self._load_memory(pages, store, kid, pid))
+                task = asyncio.ensure_future(self._load_memory(pages, store, caller.uid, kid, pid))
                 self._loading[key] = task
                 task.add_done_callback(lambda t: self._loading.pop(key, None))
         return {"kernel_id": kid, "pid": pid, "lazy": pages is not None}
@@ -356,20 +356,31 @@ class CheckpointOps:
         return pages
 
     async def _load_memory(
-        self, pages: lazy_pages.PageServer, store: CheckpointStore, kid: str, pid: int
+        self, pages: lazy_pages.PageServer, store: CheckpointStore, uid: int, kid: str, pid: int
     ) -> None:
         """A lazily restored kernel's memory coming in; then its image goes. If it cannot
         all come in, the kernel is killed (it must not run on with missing memory) and
-        the image is kept."""
+        is dumped again: its image is kept, and `poll` says why (`note`)."""
         try:
             await asyncio.shield(pages.done)
         except lazy_pages.KernelExited:
             await pages.stop()
             return
         except BaseException as e:
+            record = self.kernels.get(uid, kid)
+            ours = record is not None and record.init_pid == pid
+            if ours and record is not None:
+                cause = getattr(e, "message", None) or str(e) or type(e).__name__
+                record.note = (
+                    f"its memory could not all be restored ({cause.rstrip('.')}): it was "
+                    "stopped, and its image is kept for the next restore"
+                )
+                record.state = State.dumped  # first: its exit is not the kernel's end
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
             await pages.stop()
+            if ours:
+                self.kernels.mark_dumped(uid, kid)
             _log.error("Kernel %s killed, its image kept: %s", kid, e)
             return
         await pages.stop()
