@@ -87,7 +87,9 @@ class CheckpointEngine(SingletonConfigurable):
         True,
         help="Terminate a kernel (running or restored) when the process that started it "
         "dies, e.g. a jupyter server killed with SIGKILL, as ipykernel does by itself for "
-        "kernels not under cedana (it cannot here: a restored kernel has a new parent).",
+        "kernels not under cedana (it cannot here: a restored kernel has a new parent). "
+        "Kernels at a checkpoint agent (CheckpointAgent.socket) are the agent's and outlive "
+        "their server whatever this says: the next server attaches to them.",
     ).tag(config=True)
 
     lazy_restore = Bool(
