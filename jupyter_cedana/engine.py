@@ -244,6 +244,8 @@ class CheckpointEngine(SingletonConfigurable):
         """Why CRIU probes the Linux kernel again on every run here (None: it need not).
         Looked at once: the start-up log and every /status (the sidebar polls it) say
         the same, and mounts do not change under a running server."""
+        if self.probe_through is not None:
+            return None  # the agent runs CRIU, with its own cache (agent-images.md)
         if self._criu_problem is None:
             self._criu_problem = (criucache.problem(),)
         return self._criu_problem[0]
