@@ -161,7 +161,13 @@ class Checkpointing(Restoring):
         the image is durable; on failure the kernel runs on, as here."""
         assert self.remote is not None
         t0 = time.monotonic()
-        self._refuse_unsaved_gpu_memory(process_tree(self.pid or 0))
+        monitor = self.engine.gpu_monitor()
+        if monitor is not None and monitor.available and monitor.usage(process_tree(self.pid or 0)):
+            # The image would lack the GPU's memory: the agent has no CUDA checkpointing.
+            raise NotCheckpointable(
+                "The kernel holds GPU memory, and GPU checkpoints through the checkpoint "
+                "agent are not supported yet"
+            )
 
         def progress(update: dict[str, Any]) -> None:
             done, total = update.get("done"), update.get("total")
