@@ -114,7 +114,9 @@ def cmd_status(args: argparse.Namespace, client: Client) -> int:
     if args.json:
         emit_json(st)
         return EXIT_OK
-    if st.get("available"):
+    if st.get("available") and st.get("agent_socket"):
+        engine = f"available, through the checkpoint agent at {st.get('agent_socket')}"
+    elif st.get("available"):
         ns = "kernels in their own PID namespace" if st.get("root") else "no PID namespace"
         engine = f"available (CRIU {st.get('criu_version')}, {ns})"
     else:

@@ -22,6 +22,7 @@ from . import metrics
 from .backoff import SuspendBackoff
 from .bases import drop_base, kept_bases
 from .checkpoint import validate_kernel_id
+from .checkpoint_agent import agent_for
 from .engine import CheckpointEngine
 from .errors import CedanaError, Conflict, EngineUnavailable, InsufficientStorage, NotFound
 from .kernel_events import EVENT_SCHEMA, EVENT_SCHEMA_FILE, KernelEvents
@@ -233,7 +234,14 @@ class SuspendManager(LoggingConfigurable):
         return views
 
     def status(self) -> dict[str, Any]:
-        return server_status(self.engine, self.gpu_monitor, self.budget, self.queue)
+        agent = agent_for(self.parent)
+        return server_status(
+            self.engine,
+            self.gpu_monitor,
+            self.budget,
+            self.queue,
+            agent.socket if agent is not None else None,
+        )
 
     # -- actions --------------------------------------------------------------------------
 

@@ -10,8 +10,13 @@ from .limits import Budget, TransitionQueue
 
 
 def server_status(
-    engine: CheckpointEngine, gpu_monitor: Any, budget: Budget, queue: TransitionQueue
+    engine: CheckpointEngine,
+    gpu_monitor: Any,
+    budget: Budget,
+    queue: TransitionQueue,
+    agent_socket: str | None = None,
 ) -> dict[str, Any]:
+    """`agent_socket`: the checkpoint agent's, when this server uses one."""
     info = engine.probe()
     usage = engine.store.usage()
     gpu: dict[str, Any] = {
@@ -27,6 +32,9 @@ def server_status(
         gpu["driver_version"] = gpu_monitor.driver_version
         gpu["devices"] = gpu_monitor.devices() if gpu_monitor.available else []
     gpu["checkpoint"], cuda_reason = engine.cuda_status()
+    if agent_socket:
+        gpu["checkpoint"] = False
+        cuda_reason = "GPU checkpoints through the checkpoint agent are not supported yet"
     if gpu["available"] and not gpu["checkpoint"]:
         gpu["reason"] = f"GPU memory cannot be checkpointed: {cuda_reason}"
     return {
@@ -34,6 +42,7 @@ def server_status(
         "reason": info.reason,
         "criu_version": info.criu_version,
         "root": info.pidns,
+        "agent_socket": agent_socket or None,
         "checkpoint_root": str(engine.store.root),
         "bytes_used": usage.bytes_used,
         "bytes_free": usage.bytes_free,
