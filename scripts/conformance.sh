@@ -6,15 +6,27 @@
 #
 # Usage: scripts/conformance.sh [--no-stock] [pytest args...]
 # Cache (sdists, a venv with their test dependencies layered over .venv): .conformance/
+#
+# As an ordinary user, through a checkpoint agent that runs as root: set
+# CEDANA_TEST_AGENT_SOCKET to its socket (every cedana-provisioner of the suites then
+# launches, suspends and resumes its kernels there), CONFORMANCE_PYTHON to a virtualenv's
+# python that user can run (.venv-nonroot) and CONFORMANCE_CACHE to a directory of theirs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 STOCK=1
 if [ "${1:-}" = "--no-stock" ]; then STOCK=0; shift; fi
-CACHE=$ROOT/.conformance
-BASE=$ROOT/.venv/bin/python
+CACHE=${CONFORMANCE_CACHE:-$ROOT/.conformance}
+BASE=${CONFORMANCE_PYTHON:-$ROOT/.venv/bin/python}
 say() { printf '\n[conformance] %s\n' "$*"; }
-[ -x "$BASE" ] || { say "no .venv: run scripts/setup.sh --test first"; exit 1; }
+[ -x "$BASE" ] || { say "no $BASE: run scripts/setup.sh --test first"; exit 1; }
+AGENT_PLUGIN=()
+if [ -n "${CEDANA_TEST_AGENT_SOCKET:-}" ]; then
+  # The suites make their kernel managers without our configuration: a plugin gives
+  # cedana-provisioner the agent (tests/conformance/cedana_agent_plugin.py).
+  export PYTHONPATH=$ROOT/tests/conformance${PYTHONPATH:+:$PYTHONPATH}
+  AGENT_PLUGIN=(-p cedana_agent_plugin)
+fi
 
 version() { "$BASE" -c "import importlib.metadata as m; print(m.version('$1'))"; }
 NBCLIENT=$(version nbclient)
@@ -64,11 +76,13 @@ mkdir -p "$results"
 status=0
 
 suite() { # provisioner name dir pytest-args...
-  local prov=$1 name=$2 dir=$3
+  local prov=$1 name=$2 dir=$3 plugin=()
   shift 3
-  say "$name with $prov"
+  [ "$prov" = cedana-provisioner ] && plugin=("${AGENT_PLUGIN[@]}")
+  say "$name with $prov${plugin[*]:+ through the checkpoint agent at $CEDANA_TEST_AGENT_SOCKET}"
   (cd "$dir" && JUPYTER_DEFAULT_PROVISIONER_NAME=$prov "$VPY" -m pytest -p no:cacheprovider \
-    --color=no -q -o log_cli=false --junitxml="$results/$name-$prov.xml" "$@") || return 1
+    "${plugin[@]}" --color=no -q -o log_cli=false --junitxml="$results/$name-$prov.xml" \
+    "$@") || return 1
 }
 run_suites() { # provisioner
   local prov=$1 rc=0
