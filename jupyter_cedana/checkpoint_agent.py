@@ -13,9 +13,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import socket
 import struct
 import time
+import weakref
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -62,8 +64,16 @@ class CheckpointAgent(SingletonConfigurable):
 
     def __init__(self, **kwargs: Any):
         super().__init__(**kwargs)
-        self._client: AgentClient | None = None
-        self._connecting: asyncio.Lock | None = None
+        # A connection belongs to the event loop that opened it: one per loop (a server
+        # has one; jupyter_client's blocking managers and test harnesses run others), and
+        # none inherited across a fork.
+        self._clients: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, AgentClient] = (
+            weakref.WeakKeyDictionary()
+        )
+        self._locks: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Lock] = (
+            weakref.WeakKeyDictionary()
+        )
+        self._pid = os.getpid()
         self._probed: tuple[float, EngineInfo] | None = None
 
     @property
@@ -90,18 +100,23 @@ class CheckpointAgent(SingletonConfigurable):
         return info
 
     async def client(self) -> AgentClient:
-        if self._connecting is None:
-            self._connecting = asyncio.Lock()
-        async with self._connecting:
-            if self._client is None or self._client.closed:
+        if self._pid != os.getpid():
+            self._clients.clear()
+            self._locks.clear()
+            self._pid = os.getpid()
+        loop = asyncio.get_running_loop()
+        lock = self._locks.setdefault(loop, asyncio.Lock())
+        async with lock:
+            client = self._clients.get(loop)
+            if client is None or client.closed:
                 try:
-                    self._client = await AgentClient.connect(self.socket)
+                    client = self._clients[loop] = await AgentClient.connect(self.socket)
                 except OSError as e:
                     self._probed = None
                     raise EngineUnavailable(
                         _unavailable(f"no checkpoint agent answers at {self.socket}: {e}")
                     ) from e
-            return self._client
+            return client
 
     async def call(self, request: Callable[[AgentClient], Awaitable[T]]) -> T:
         """One request. A connection found closed is opened again first; a request is
@@ -132,9 +147,10 @@ class CheckpointAgent(SingletonConfigurable):
         return out
 
     async def close(self) -> None:
-        if self._client is not None:
-            await self._client.close()
-            self._client = None
+        """Close this event loop's connection, if any."""
+        client = self._clients.pop(asyncio.get_running_loop(), None)
+        if client is not None:
+            await client.close()
 
     def kernel(self, kernel_id: str) -> AgentKernel:
         return AgentKernel(self, kernel_id)

@@ -56,7 +56,7 @@ class Checkpointing(Restoring):
                 f"{self.not_checkpointable[0].lower()}{self.not_checkpointable[1:]}"
             )
         self._refuse_while_shutting_down()
-        return await self._once(f"suspend-{tier}", lambda: self._suspend(tier))
+        return await self.machine.once(f"suspend-{tier}", lambda: self._suspend(tier))
 
     async def _suspend(self, tier: str) -> dict[str, Any]:
         await self.memory_loaded()
@@ -66,14 +66,16 @@ class Checkpointing(Restoring):
             raise Conflict(
                 f"Kernel {self.kernel_id} failed to resume ({self.reason}); resume it first"
             )
-        if self.state == KernelState.running and not await self.process_alive():
+        if self.state == KernelState.running and not self.process_alive():
             raise Conflict(f"Kernel {self.kernel_id} is not running")
         previous = self.state
         # Shown at once (a 202 says `suspending`); clients' messages are held from now on.
-        self._set_state(KernelState.suspending)
+        self.machine.set_state(KernelState.suspending)
         try:
             if previous == KernelState.running:
-                await self._before_suspend()  # e.g. the reply cache learns what the kernel is
+                await (
+                    self.machine.before_suspend()
+                )  # e.g. the reply cache learns what the kernel is
             if tier == "offload":
                 return await self._offload()
             return await self._dump(from_offload=previous == KernelState.suspended)
@@ -81,7 +83,7 @@ class Checkpointing(Restoring):
             if self.state == KernelState.suspending:
                 # A refusal (Conflict) is the caller's answer, not the kernel's condition.
                 reason = None if isinstance(e, Conflict) else getattr(e, "message", None) or str(e)
-                self._set_state(previous, reason=reason)
+                self.machine.set_state(previous, reason=reason)
             raise
 
     async def _offload(self) -> dict[str, Any]:
@@ -98,7 +100,9 @@ class Checkpointing(Restoring):
             self._gpu_left(e)
             raise
         except BaseException as e:
-            self._set_state(KernelState.running, reason=getattr(e, "message", None) or str(e))
+            self.machine.set_state(
+                KernelState.running, reason=getattr(e, "message", None) or str(e)
+            )
             raise
         self._gpu_state = dict(result)
         self.tier = "offload"
@@ -106,7 +110,7 @@ class Checkpointing(Restoring):
         self.last_suspend_seconds = time.monotonic() - t0
         self.gpu_memory_freed = int((self._gpu_state or {}).get("bytes_freed", 0))
         self.checkpoint_bytes = 0
-        self._set_state(KernelState.suspended)
+        self.machine.set_state(KernelState.suspended)
         return self.summary()
 
     def _refuse_unsaved_gpu_memory(self, pids: set[int]) -> None:
@@ -142,7 +146,9 @@ class Checkpointing(Restoring):
         try:
             tmp = store.begin(kid)  # a full disk fails here, after the offload: undo it
             base = await asyncio.to_thread(self._base_for, tmp) if engine.keep_base else None
-            dumped = await engine.dump(self.pid or 0, tmp, progress=self._set_progress, base=base)
+            dumped = await engine.dump(
+                self.pid or 0, tmp, progress=self.machine.set_progress, base=base
+            )
             if self.image_guard is not None:
                 self.image_guard(kid, dir_bytes(tmp))
         except BaseException as e:
@@ -171,7 +177,7 @@ class Checkpointing(Restoring):
 
         def progress(update: dict[str, Any]) -> None:
             done, total = update.get("done"), update.get("total")
-            self._set_progress(
+            self.machine.set_progress(
                 str(update.get("phase") or "dump"),
                 done if isinstance(done, int) else None,
                 total if isinstance(total, int) else None,
@@ -186,7 +192,7 @@ class Checkpointing(Restoring):
         self.last_suspend_seconds = time.monotonic() - t0
         self.checkpoint_bytes = int(dumped.get("bytes") or 0)
         self.port_hold.reserve(self.connection_info)
-        self._set_state(KernelState.suspended)
+        self.machine.set_state(KernelState.suspended)
         self.log.info(
             "Suspended kernel %s through the checkpoint agent in %.2f s (%d bytes)",
             self.kernel_id,
@@ -264,7 +270,7 @@ class Checkpointing(Restoring):
         t_dumped = time.monotonic()
         committed = False
         try:
-            self._set_progress("verify", None, None)
+            self.machine.set_progress("verify", None, None)
             pid, ports, spec = self.pid or 0, kernel_ports(self.connection_info), self._spec_name()
             suspended_at = time.time()
             record = await self.records.build(suspended_at)
@@ -345,7 +351,7 @@ class Checkpointing(Restoring):
         # What the checkpoint holds on disk: an incremental image with its bases.
         self.checkpoint_bytes = int(manifest.get("held_bytes") or manifest["total_bytes"])
         self.gpu_memory_freed = int((gpu_state or {}).get("bytes_freed", 0))
-        self._set_state(KernelState.suspended)
+        self.machine.set_state(KernelState.suspended)
         self.log.info(
             "Suspended kernel %s: %.1f MB in %.2f s",
             kid,

@@ -1,7 +1,7 @@
 """The GPU steps of a suspend or resume that are not plain calls of the CUDA
 checkpointer: undoing an offload after a failed dump, restoring GPU memory into a
 CRIU-restored tree before it runs, and the `failed` state when the CUDA state of a
-kernel cannot be put back (mixed into the provisioner through Checkpointing).
+kernel cannot be put back (a base of the provisioner's, through Checkpointing).
 """
 
 from __future__ import annotations
@@ -14,15 +14,20 @@ from .proctree import process_tree
 from .transitions import KernelState, TransitionMachine
 
 
-class GpuSteps(TransitionMachine):
+class GpuSteps:
     kernel_id: Any
+    log: Any
+    machine: TransitionMachine  # the kernel's state and transitions (the provisioner's)
+    state: KernelState
+    tier: str | None
+    reason: str | None
     _gpu_state: dict[str, Any] | None = None
     # True once a kernel's CUDA state is lost (the driver's FAILED state): its process
     # lives on but can never use its GPU memory again; it needs a restart.
     _gpu_lost: bool = False
 
     def _gpu_progress(self, phase: str, done: int | None, total: int | None) -> None:
-        self._set_progress(phase, done, total)
+        self.machine.set_progress(phase, done, total)
 
     def _gpu_left(self, e: CudaStateLeft) -> None:
         """A GPU step failed and so did putting the kernel back: it is `failed`, never
@@ -30,7 +35,7 @@ class GpuSteps(TransitionMachine):
         self._gpu_state = e.kept
         self._gpu_lost = e.kept is None
         self.tier = "offload" if e.kept is not None else None
-        self._set_state(KernelState.failed, reason=e.message)
+        self.machine.set_state(KernelState.failed, reason=e.message)
         self.log.error("Kernel %s failed: %s", self.kernel_id, e.message)
 
     async def _undo_offload(self, gpu: Any, gpu_state: dict[str, Any]) -> str | None:
@@ -54,7 +59,7 @@ class GpuSteps(TransitionMachine):
         frozen = bool(gpu.restore_frozen)
 
         async def step() -> None:
-            self._set_progress("gpu-restore", None, None)
+            self.machine.set_progress("gpu-restore", None, None)
             await gpu.restore(
                 gpu_state,
                 process_tree(root),

@@ -35,17 +35,17 @@ from .kernel_record import RecordHolder
 from .launch import check_executable, ipykernel_options, is_ipykernel, output_tail
 from .parkrecords import RECORD_FORMAT, server_facts
 from .proctree import process_tree
-from .transitions import KernelState, Listener, Progress, TransitionMachine
+from .transitions import KernelState, Listener, Progress, SuspendHook, TransitionMachine
 
 __all__ = ["CedanaProvisioner", "KernelState", "Listener", "Progress"]
 
 
-class CedanaProvisioner(Checkpointing, TransitionMachine, LocalProvisioner):  # type: ignore[misc]
+class CedanaProvisioner(Checkpointing, LocalProvisioner):  # type: ignore[misc]
     """A LocalProvisioner whose kernels can be suspended to disk and resumed."""
 
     def __init__(self, **kwargs: Any):
         super().__init__(**kwargs)
-        self._init_transitions()
+        self.machine = TransitionMachine(self, self.log, self.kernel_id)
         self.port_hold = PortHold(self.log, self.kernel_id)
         self._gpu_state: dict[str, Any] | None = None
         self._chores: set[asyncio.Future[Any]] = set()
@@ -58,6 +58,56 @@ class CedanaProvisioner(Checkpointing, TransitionMachine, LocalProvisioner):  # 
         self.remote: AgentKernel | None = None
         self._record_closed = False  # shut down: no record of it may be written again
         self.add_listener(_keep_agent_record)
+
+    # -- its state, as the manager, the gate and parking see it (the machine's) -------------
+
+    @property
+    def state(self) -> KernelState:
+        return self.machine.state
+
+    @state.setter
+    def state(self, value: KernelState) -> None:
+        self.machine.state = value
+
+    @property
+    def tier(self) -> str | None:
+        return self.machine.tier
+
+    @tier.setter
+    def tier(self, value: str | None) -> None:
+        self.machine.tier = value
+
+    @property
+    def reason(self) -> str | None:
+        return self.machine.reason
+
+    @reason.setter
+    def reason(self, value: str | None) -> None:
+        self.machine.reason = value
+
+    @property
+    def progress(self) -> Progress | None:
+        return self.machine.progress
+
+    @property
+    def transition_in_flight(self) -> str | None:
+        return self.machine.transition_in_flight
+
+    def add_listener(self, listener: Listener) -> None:
+        """Called with (provisioner, what) on every state or progress change."""
+        self.machine.add_listener(listener)
+
+    def add_suspend_hook(self, hook: SuspendHook) -> None:
+        """Awaited with (provisioner) before a running kernel is frozen, while it runs."""
+        self.machine.add_suspend_hook(hook)
+
+    def note_reason(self, reason: str | None) -> None:
+        """Keep the kernel's state and say what is wrong with it (the sidebar shows it)."""
+        self.machine.note_reason(reason)
+
+    async def abort_transition(self, why: str) -> None:
+        """End the suspend or resume in flight, if any (transitions.py)."""
+        await self.machine.abort_transition(why)
 
     # -- plumbing -------------------------------------------------------------------------
 
@@ -181,7 +231,7 @@ class CedanaProvisioner(Checkpointing, TransitionMachine, LocalProvisioner):  # 
 
     def refresh_agent_record(self) -> None:
         """Write the record once the transition in flight, if any, has ended."""
-        inflight = self._inflight[1] if self._inflight is not None else None
+        inflight = self.machine.inflight
 
         async def after_transition() -> None:
             if inflight is not None:
@@ -273,7 +323,7 @@ class CedanaProvisioner(Checkpointing, TransitionMachine, LocalProvisioner):  # 
         self.port_hold.reserve(self.connection_info)
         self.work_lost_after = self.work_lost_after or self.resumed_at
         self.log.error("Kernel %s killed by the checkpoint agent: %s", self.kernel_id, cause)
-        self._set_state(KernelState.failed, reason=self._lost(cause))
+        self.machine.set_state(KernelState.failed, reason=self._lost(cause))
 
     def _offloaded_process_died(self) -> bool:
         """An offloaded kernel keeps its process (so does one failed with its GPU state
@@ -287,7 +337,7 @@ class CedanaProvisioner(Checkpointing, TransitionMachine, LocalProvisioner):  # 
         self._gpu_state = None
         self._gpu_lost = False
         self.tier = None
-        self._set_state(KernelState.running, reason="the offloaded kernel's process exited")
+        self.machine.set_state(KernelState.running, reason="the offloaded kernel's process exited")
         return True
 
     def _keeps_process(self) -> bool:
@@ -354,12 +404,12 @@ class CedanaProvisioner(Checkpointing, TransitionMachine, LocalProvisioner):  # 
         """A shutdown or restart ends any suspend or resume in flight first: the old
         tree either runs on (and gets the shutdown) or is gone, and nothing it does
         later can touch the kernel started next."""
-        await self.abort_transition(
+        await self.machine.abort_transition(
             "the kernel is restarting" if restart else "the kernel is shutting down"
         )
 
     def _discard_if_suspended(self) -> bool:
-        if self.state == KernelState.running or self._inflight is not None:
+        if self.state == KernelState.running or self.machine.inflight is not None:
             return False
         self.log.info("Discarding the checkpoint of kernel %s", self.kernel_id)
         if self.remote is not None:
@@ -379,7 +429,7 @@ class CedanaProvisioner(Checkpointing, TransitionMachine, LocalProvisioner):  # 
         self._gpu_lost = False
         self.tier = None
         self.checkpoint_bytes = 0
-        self._set_state(KernelState.running)
+        self.machine.set_state(KernelState.running)
         return True
 
     async def cleanup(self, restart: bool = False) -> None:

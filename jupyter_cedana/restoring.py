@@ -89,16 +89,15 @@ class Restoring(GpuSteps):
     def kernel_id_str(self) -> str:
         return str(self.kernel_id)
 
-    async def process_alive(self) -> bool:
-        """Whether the kernel's process runs (asked of the agent for a kernel there)."""
-        if self.remote is not None:
-            await self.remote.refresh()
+    def process_alive(self) -> bool:
+        """Whether the kernel's process runs, as last seen (for a kernel at the agent, as
+        the last poll learned: a suspend must not wait on the agent before it shows)."""
         return bool(self.pid) and self.process is not None and self.process.poll() is None
 
     async def resume(self) -> dict[str, Any]:
         """Restore a suspended kernel; on failure the image is kept and a retry may work."""
         self._refuse_while_shutting_down()
-        return await self._once("resume", self._resume)
+        return await self.machine.once("resume", self._resume)
 
     def _refuse_while_shutting_down(self) -> None:
         # A shutdown or restart aborts the transition in flight; none may start after it.
@@ -174,7 +173,7 @@ class Restoring(GpuSteps):
         store = engine.store
         kid = self.kernel_id_str
         previous = self.state
-        self._set_state(KernelState.resuming)
+        self.machine.set_state(KernelState.resuming)
         t0 = time.monotonic()
         self.last_memory_in_at = None
         try:
@@ -184,7 +183,7 @@ class Restoring(GpuSteps):
             gpu, plan = await self._admit(gpu_state)
         except InsufficientGpuMemory as e:
             # Nothing was touched: the kernel stays suspended and a later resume may fit.
-            self._set_state(previous, reason=e.message)
+            self.machine.set_state(previous, reason=e.message)
             raise
         except BaseException as e:
             self._fail_resume(kid, previous, e)
@@ -193,14 +192,14 @@ class Restoring(GpuSteps):
         # read the same pages, so a cold image is read from disk once, not twice. A lazy
         # restore checks what CRIU reads before it starts; the pages, as they are served.
         loop = asyncio.get_running_loop()
-        self._set_progress("restore", 0, int(manifest["total_bytes"]) or None)
+        self.machine.set_progress("restore", 0, int(manifest["total_bytes"]) or None)
 
         abandoned = threading.Event()
 
         def verified(done: int, total: int) -> None:
             if abandoned.is_set():  # the restore failed or was cancelled: stop reading
                 raise ResumeFailed("checksum verification abandoned")
-            loop.call_soon_threadsafe(self._set_progress, "restore", done, total)
+            loop.call_soon_threadsafe(self.machine.set_progress, "restore", done, total)
 
         verify: asyncio.Future[Any] = loop.create_future()
         verify.set_result(None)
@@ -306,7 +305,7 @@ class Restoring(GpuSteps):
         self.suspended_at = None
         self.resumed_at = time.time()
         self.image_taken_at = manifest.get("created")
-        self._set_state(KernelState.running, reason=self._rolled_back())
+        self.machine.set_state(KernelState.running, reason=self._rolled_back())
         if pages is None:
             self.work_lost_after = None  # told (the state's reason); nothing can fail
         self.log.info("Resumed kernel %s in %.2f s (pid %s)", kid, self.last_resume_seconds, pid)
@@ -318,8 +317,8 @@ class Restoring(GpuSteps):
         assert self.remote is not None
         kid = self.kernel_id_str
         previous = self.state
-        self._set_state(KernelState.resuming)
-        self._set_progress("restore", None, self.checkpoint_bytes or None)
+        self.machine.set_state(KernelState.resuming)
+        self.machine.set_progress("restore", None, self.checkpoint_bytes or None)
         t0 = time.monotonic()
         self.port_hold.release()
         try:
@@ -335,7 +334,7 @@ class Restoring(GpuSteps):
         self.image_taken_at = self.suspended_at or self.image_taken_at
         self.suspended_at = None
         self.resumed_at = time.time()
-        self._set_state(KernelState.running, reason=self._rolled_back())
+        self.machine.set_state(KernelState.running, reason=self._rolled_back())
         self.work_lost_after = None  # told (the state's reason)
         self.log.info(
             "Resumed kernel %s through the checkpoint agent in %.2f s (pid %s)",
@@ -403,7 +402,7 @@ class Restoring(GpuSteps):
             self.log.error("Kernel %s killed, its image kept: %s", kid, cause)
             if self.state == KernelState.running:
                 self.work_lost_after = self.work_lost_after or self.resumed_at
-                self._set_state(KernelState.failed, reason=self._lost(cause))
+                self.machine.set_state(KernelState.failed, reason=self._lost(cause))
             return
         finally:
             self._loading = None
@@ -463,9 +462,9 @@ class Restoring(GpuSteps):
     def _fail_resume(self, kid: str, previous: KernelState, e: BaseException) -> None:
         reason = getattr(e, "message", None) or str(e) or type(e).__name__
         if isinstance(e, asyncio.CancelledError):
-            self._set_state(previous, reason=reason)
+            self.machine.set_state(previous, reason=reason)
         else:
-            self._set_state(KernelState.failed, reason=reason)
+            self.machine.set_state(KernelState.failed, reason=reason)
         self.log.error("Resume of kernel %s failed: %s", kid, reason)
 
     @staticmethod
@@ -477,7 +476,7 @@ class Restoring(GpuSteps):
     async def _resume_offload(self) -> dict[str, Any]:
         gpu = await self._gpu()
         previous = self.state
-        self._set_state(KernelState.resuming)
+        self.machine.set_state(KernelState.resuming)
         t0 = time.monotonic()
         try:
             if gpu is None:
@@ -487,13 +486,13 @@ class Restoring(GpuSteps):
             self._gpu_left(e)
             raise
         except BaseException as e:
-            self._set_state(previous, reason=getattr(e, "message", None) or str(e))
+            self.machine.set_state(previous, reason=getattr(e, "message", None) or str(e))
             raise
         self._gpu_state = None
         self.tier = None
         self.suspended_at = None
         self.last_resume_seconds = time.monotonic() - t0
-        self._set_state(KernelState.running)
+        self.machine.set_state(KernelState.running)
         return self.summary()
 
     def summary(self) -> dict[str, Any]:

@@ -64,69 +64,76 @@ SuspendHook = Callable[[Any], Awaitable[None]]
 
 
 class TransitionMachine:
-    """Mixed into the provisioner: its state, and the one-at-a-time transitions."""
+    """A kernel's state, and its transitions one at a time; the provisioner holds one
+    (`machine`) and gives itself to listeners and hooks as `owner`."""
 
-    log: Any
-    state: KernelState = KernelState.running
-    tier: str | None = None
-    reason: str | None = None
-    progress: Progress | None = None
-
-    def _init_transitions(self) -> None:
+    def __init__(self, owner: Any, log: Any, kernel_id: Any):
+        self.owner = owner
+        self.log = log
+        self.kernel_id = kernel_id
+        self.state = KernelState.running
+        self.tier: str | None = None
+        self.reason: str | None = None
+        self.progress: Progress | None = None
         self._lock = asyncio.Lock()
         self._inflight: tuple[str, asyncio.Future[Any]] | None = None
         self._listeners: list[Listener] = []
         self._suspend_hooks: list[SuspendHook] = []
         self._aborted: str | None = None
-        self._owner: asyncio.Task[Any] | None = None
+        self._runner: asyncio.Task[Any] | None = None
 
     def add_listener(self, listener: Listener) -> None:
-        """Called with (provisioner, what) on every state or progress change."""
+        """Called with (owner, what) on every state or progress change."""
         self._listeners.append(listener)
 
     def add_suspend_hook(self, hook: SuspendHook) -> None:
-        """Awaited with (provisioner) before a running kernel is frozen, while it runs."""
+        """Awaited with (owner) before a running kernel is frozen, while it runs."""
         self._suspend_hooks.append(hook)
 
-    async def _before_suspend(self) -> None:
+    async def before_suspend(self) -> None:
         for hook in list(self._suspend_hooks):
             try:
-                await hook(self)
+                await hook(self.owner)
             except Exception:  # a broken hook must not keep a kernel from being suspended
                 self.log.exception("cedana suspend hook failed")
 
-    def _notify(self, what: str) -> None:
+    def notify(self, what: str) -> None:
         for listener in list(self._listeners):
             try:
-                listener(self, what)
+                listener(self.owner, what)
             except Exception:  # a broken observer must not break a suspend
                 self.log.exception("cedana listener failed")
 
-    def _set_state(self, state: KernelState, reason: str | None = None) -> None:
+    def set_state(self, state: KernelState, reason: str | None = None) -> None:
         if state not in ALLOWED[self.state]:
             raise IllegalTransition(f"{self.state.value} → {state.value}")
         self.state = state
         self.reason = reason
         if state in (KernelState.running, KernelState.suspended, KernelState.failed):
             self.progress = None
-        self._notify("state")
+        self.notify("state")
 
     def note_reason(self, reason: str | None) -> None:
         """Keep the kernel's state and say what is wrong with it (the sidebar shows it)."""
         self.reason = reason
-        self._notify("state")
+        self.notify("state")
 
-    def _set_progress(self, phase: str, done: int | None, total: int | None) -> None:
+    def set_progress(self, phase: str, done: int | None, total: int | None) -> None:
         fraction = min(1.0, done / total) if done is not None and total else 0.0
         self.progress = Progress(phase, fraction, done, total)
-        self._notify("progress")
+        self.notify("progress")
 
     @property
     def transition_in_flight(self) -> str | None:
         """The kind of transition running now ("suspend-disk", "resume", ...), or None."""
         return self._inflight[0] if self._inflight is not None else None
 
-    async def _once(self, kind: str, work: Callable[[], Awaitable[Any]]) -> Any:
+    @property
+    def inflight(self) -> asyncio.Future[Any] | None:
+        """The transition running now, done when it ends, or None."""
+        return self._inflight[1] if self._inflight is not None else None
+
+    async def once(self, kind: str, work: Callable[[], Awaitable[Any]]) -> Any:
         """Run a transition under the kernel's lock; a concurrent request for the same
         transition waits for the running one and gets its result. A shutdown or restart
         may abort it (abort_transition): its callers then get a Conflict."""
@@ -134,22 +141,22 @@ class TransitionMachine:
             try:
                 return await asyncio.shield(self._inflight[1])
             except asyncio.CancelledError:
-                self._raise_if_aborted()
+                self.raise_if_aborted()
                 raise
         async with self._lock:
             fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
             self._inflight = (kind, fut)
-            self._owner = asyncio.current_task()
+            self._runner = asyncio.current_task()
             self._aborted = None
             try:
                 result = await work()
             except BaseException as e:
                 if isinstance(e, asyncio.CancelledError) and self._aborted is not None:
-                    fut.cancel()  # joiners are told by _raise_if_aborted
-                    uncancel = getattr(self._owner, "uncancel", None)
+                    fut.cancel()  # joiners are told by raise_if_aborted
+                    uncancel = getattr(self._runner, "uncancel", None)
                     if uncancel is not None:
                         uncancel()  # the cancellation was ours, not the caller's
-                    self._raise_if_aborted()
+                    self.raise_if_aborted()
                 fut.set_exception(e)
                 # Nobody else may be waiting: retrieve the exception so asyncio stays quiet.
                 fut.exception()
@@ -159,25 +166,22 @@ class TransitionMachine:
                 return result
             finally:
                 self._inflight = None
-                self._owner = None
+                self._runner = None
 
-    def _raise_if_aborted(self) -> None:
+    def raise_if_aborted(self) -> None:
         if self._aborted is not None:
             raise Conflict(self._aborted) from None
 
     async def abort_transition(self, why: str) -> None:
         """Cancel the transition in flight, if any, and wait until it has rolled back
         (a suspend leaves the kernel running, a resume leaves it suspended)."""
-        inflight, owner = self._inflight, self._owner
-        if inflight is None or owner is None or owner is asyncio.current_task():
+        inflight, runner = self._inflight, self._runner
+        if inflight is None or runner is None or runner is asyncio.current_task():
             return
-        self.log.info("Aborting %s of kernel %s: %s", inflight[0], self._kid(), why)
-        self._aborted = f"Kernel {self._kid()}: {inflight[0]} abandoned, {why}"
-        owner.cancel()
+        self.log.info("Aborting %s of kernel %s: %s", inflight[0], self.kernel_id, why)
+        self._aborted = f"Kernel {self.kernel_id}: {inflight[0]} abandoned, {why}"
+        runner.cancel()
         await asyncio.wait({inflight[1]})
-        # The lock is released as the owner unwinds: let that happen before going on.
+        # The lock is released as the runner unwinds: let that happen before going on.
         async with self._lock:
             pass
-
-    def _kid(self) -> str:
-        return str(getattr(self, "kernel_id", "?"))

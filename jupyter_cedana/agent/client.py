@@ -78,10 +78,14 @@ class AgentClient:
                         if asyncio.iscoroutine(result):
                             await result
                     continue
-                future = self._pending.pop(rid, None) if isinstance(rid, int) else None
-                if future is None:
-                    # A reply to no request: the agent refused the connection (busy) or
-                    # the stream (a bad frame). It closes next; everyone waiting gets it.
+                if isinstance(rid, int):
+                    future = self._pending.pop(rid, None)
+                    if future is None:
+                        continue  # the reply to a request its caller gave up (cancelled)
+                else:
+                    # A reply to no request (`id: null`): the agent refused the
+                    # connection (busy) or the stream (a bad frame). It closes next;
+                    # everyone waiting gets it.
                     error = frame.get("error") or {}
                     raise AgentError(error.get("code", "failed"), error.get("message", ""))
                 if not future.done():
