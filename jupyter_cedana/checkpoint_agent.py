@@ -104,6 +104,11 @@ class CheckpointAgent(SingletonConfigurable):
             self._clients.clear()
             self._locks.clear()
             self._pid = os.getpid()
+        for old in [lp for lp in self._clients if lp.is_closed()]:
+            # A loop gone (a test's, a thread's): its connection would hold the agent's
+            # count of this user's connections for nothing.
+            self._clients.pop(old).abandon()
+            self._locks.pop(old, None)
         loop = asyncio.get_running_loop()
         lock = self._locks.setdefault(loop, asyncio.Lock())
         async with lock:

@@ -52,8 +52,8 @@ class Checkpointing(Restoring):
             raise ValueError(f"unknown tier {tier!r}")
         if self.not_checkpointable:
             raise EngineUnavailable(
-                f"Kernel {self.kernel_id} cannot be suspended: it was started while "
-                f"{self.not_checkpointable[0].lower()}{self.not_checkpointable[1:]}"
+                f"Kernel {self.kernel_id} cannot be suspended: the checkpoint agent did "
+                f"not start it ({self.not_checkpointable})"
             )
         self._refuse_while_shutting_down()
         return await self.machine.once(f"suspend-{tier}", lambda: self._suspend(tier))

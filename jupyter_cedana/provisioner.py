@@ -131,8 +131,10 @@ class CedanaProvisioner(Checkpointing, LocalProvisioner):  # type: ignore[misc]
         if agent is not None:
             try:
                 return await self._launch_at_agent(agent, cmd, kwargs)
-            except EngineUnavailable as e:
-                # The user gets a kernel all the same, one that cannot be suspended.
+            except (EngineUnavailable, Conflict) as e:
+                # No agent, or it refuses (its limit of kernels per user; this id in use
+                # there, as when a client starts a second kernel under one manager): the
+                # user gets a kernel all the same, one that cannot be suspended.
                 self.log.warning("Kernel %s: %s; it runs uncheckpointed", self.kernel_id, e)
                 return await self._launch_plain(cmd, kwargs, e.message)
         if os.geteuid() != 0:

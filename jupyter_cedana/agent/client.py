@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import itertools
 import json
+import socket
 import sys
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -44,6 +45,15 @@ class AgentClient:
     async def connect(cls, path: str = protocol.DEFAULT_SOCKET) -> AgentClient:
         reader, writer = await asyncio.open_unix_connection(path, limit=protocol.MAX_RESPONSE + 8)
         return cls(reader, writer)
+
+    def abandon(self) -> None:
+        """Close the socket of a connection whose event loop has closed (nothing can be
+        awaited there any more), so that the agent sees it gone."""
+        sock = self._writer.get_extra_info("socket")
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)  # the descriptor goes with the transport
+        self._closed = self._closed or ConnectionResetError("its event loop closed")
 
     @property
     def closed(self) -> bool:
