@@ -214,10 +214,11 @@ async def criu_dump(
                 break
             if progress:
                 progress("dump", dir_bytes(images), expected or None)
-            if time.monotonic() - t0 > engine.dump_timeout:
+            limit = engine.dump_timeout  # the one this look applied, if it changes meanwhile
+            if time.monotonic() - t0 > limit:
                 proc.kill()
                 await wait
-                raise SuspendFailed(f"CRIU dump took longer than {engine.dump_timeout:.0f} s")
+                raise SuspendFailed(f"CRIU dump took longer than {limit:.0f} s")
     except asyncio.CancelledError:
         proc.kill()
         # The caller continues the tree once CRIU has let go of it (it may have
