@@ -443,8 +443,9 @@ class Adopter:
             if manifest.get("agent_pid")
             else f"suspended, {int(manifest.get('total_bytes') or 0) / 1e6:.1f} MB image"
         )
-        self.log.info(
-            "jupyter-cedana: adopted kernel %s (%s, left by server pid %s): %s; sessions: %s",
+        self.log.info(  # bench/chaos.py watches for "adopted parked kernel"
+            "jupyter-cedana: adopted parked kernel %s (%s, left by server pid %s): %s; "
+            "sessions: %s",
             kid,
             record["kernel_name"],
             record.get("server_pid"),
