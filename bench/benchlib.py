@@ -55,7 +55,7 @@ def drop_caches() -> None:
 
 
 def fs_type(path: Path) -> str:
-    from jupyter_cedana.criucache import mount_of
+    from jupyter_cedana.checkpoint.criucache import mount_of
 
     found = mount_of(str(path))
     return f"{found[1]} on {found[2]} ({found[0]})" if found else "?"
@@ -77,7 +77,7 @@ def machine_info(root: Path) -> dict[str, Any]:
         except (OSError, subprocess.SubprocessError):
             return ""
 
-    from jupyter_cedana.engine import CheckpointEngine
+    from jupyter_cedana.checkpoint.engine import CheckpointEngine
 
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -101,7 +101,7 @@ async def engine_at(root: Path, **config: Any) -> Any:
 
     from traitlets.config import Config
 
-    from jupyter_cedana.engine import CheckpointEngine
+    from jupyter_cedana.checkpoint.engine import CheckpointEngine
 
     root.mkdir(parents=True, exist_ok=True)
     CheckpointEngine.clear_instance()
@@ -226,7 +226,7 @@ async def run(kc: Any, code: str, timeout: float = 600) -> str:
 
 async def fill(kc: Any, pid: int, nbytes: int) -> str:
     """Make the kernel's memory about `nbytes`; returns PROBE's answer."""
-    from jupyter_cedana.dumping import tree_rss
+    from jupyter_cedana.checkpoint.dumping import tree_rss
 
     await run(kc, "import numpy as np")
     base = tree_rss(pid)

@@ -628,8 +628,8 @@ class Chaos:
         # A kernel that ended with its server leaves its log and CRIU work directory; gc
         # takes them once they are GC_MIN_AGE old (they might be a starting kernel's).
         # Counted apart, once gc, asked as it will be then, says it takes each of them.
-        from jupyter_cedana import store_gc
-        from jupyter_cedana.checkpoint import CheckpointStore
+        from jupyter_cedana.checkpoint import store_gc
+        from jupyter_cedana.checkpoint.store import CheckpointStore
 
         later = store_gc.plan(
             CheckpointStore(str(self.server.root)),

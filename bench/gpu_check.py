@@ -144,7 +144,7 @@ class Recorder:
     def __init__(self) -> None:
         self.offloads: list[dict[str, Any]] = []
         self.restores: list[dict[str, Any]] = []
-        from jupyter_cedana.cuda import CudaCheckpointer
+        from jupyter_cedana.gpu.cuda import CudaCheckpointer
 
         orig_offload, orig_restore = CudaCheckpointer.offload, CudaCheckpointer.restore
         rec = self
@@ -230,7 +230,7 @@ class Kernel:
         return dict(ast.literal_eval(out.strip().splitlines()[-1]))
 
     def pids(self) -> set[int]:
-        from jupyter_cedana.proctree import process_tree
+        from jupyter_cedana.checkpoint.proctree import process_tree
 
         return process_tree(self.prov.pid)
 
@@ -292,7 +292,7 @@ class Check:
     # ---- steps ----
 
     async def criu(self) -> dict[str, Any]:
-        from jupyter_cedana.engine import CheckpointEngine
+        from jupyter_cedana.checkpoint.engine import CheckpointEngine
 
         engine = CheckpointEngine.instance(config=self.config)
         info = engine.probe()
@@ -308,7 +308,7 @@ class Check:
     async def env(self) -> dict[str, Any]:
         import pynvml
 
-        from jupyter_cedana.hostmem import host_room
+        from jupyter_cedana.gpu.hostmem import host_room
 
         pynvml.nvmlInit()
         try:
@@ -340,8 +340,8 @@ class Check:
         return out
 
     async def driver(self) -> dict[str, Any]:
-        from jupyter_cedana.cuda_helper import CudaCallError
-        from jupyter_cedana.engine import CheckpointEngine
+        from jupyter_cedana.checkpoint.engine import CheckpointEngine
+        from jupyter_cedana.gpu.cuda_helper import CudaCallError
 
         engine = CheckpointEngine.instance(config=self.config)
         gpu = await engine.cuda_checkpointer()
@@ -514,7 +514,7 @@ class Check:
         if "big" in steps:
             sizes = [float(s) for s in self.args.sizes.split(",") if s]
             await self.kernel_steps("big", sizes, self.args.host_gb)
-        from jupyter_cedana.engine import CheckpointEngine
+        from jupyter_cedana.checkpoint.engine import CheckpointEngine
 
         await CheckpointEngine.instance().close()
 

@@ -79,7 +79,7 @@ def main() -> int:
     sys.path.insert(0, str(ROOT))
     import pynvml
 
-    from jupyter_cedana.gpu import GpuMonitor
+    from jupyter_cedana.gpu.monitor import GpuMonitor
 
     # real processes, so that the namespace fallback reads real /proc entries
     procs = [subprocess.Popen(["sleep", "600"]) for _ in range(args.kernels * 2)]

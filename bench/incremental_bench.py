@@ -139,7 +139,7 @@ def process_written() -> int:
 def page_digests(images: Path) -> tuple[dict[tuple[int, int], bytes], list[bytes]]:
     """{(pid, vaddr): digest} of every present page, and the 64 KiB chunk digests of the
     page files in file order (all page files one after another)."""
-    from jupyter_cedana.crimg import pagemap, pids
+    from jupyter_cedana.checkpoint.crimg import pagemap, pids
 
     by_addr: dict[tuple[int, int], bytes] = {}
     files_chunks: list[bytes] = []
@@ -213,8 +213,8 @@ async def part_kernel(
     bytes on the same disk. Then `cycles` cycles of resume, cell, suspend: the state
     after every resume, the disk the chain takes against the kernel's memory. Then
     shutdown: nothing of the kernel left under the root."""
-    from jupyter_cedana.dumping import tree_rss
-    from jupyter_cedana.incremental import INDEX_NAME
+    from jupyter_cedana.checkpoint.dumping import tree_rss
+    from jupyter_cedana.checkpoint.incremental import INDEX_NAME
 
     root.mkdir(parents=True, exist_ok=True)
     # The process's engine, configured before the kernel's provisioner takes it.

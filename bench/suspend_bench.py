@@ -193,7 +193,7 @@ async def touch_all_step(km: Any, kc: Any, expect_sum: str, lazy: bool, cold: bo
 
 
 async def bench_size(size_gb: float, repeat: int, root: Path, cold: bool) -> dict[str, Any]:
-    from jupyter_cedana.dumping import tree_rss
+    from jupyter_cedana.checkpoint.dumping import tree_rss
 
     workdir = Path(tempfile.mkdtemp(prefix="cedana-bench-work-"))
     km, kc = await start_kernel(root, workdir)

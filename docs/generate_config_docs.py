@@ -19,15 +19,15 @@ from traitlets import Enum, HasTraits, List, TraitType
 from traitlets.config import Configurable
 
 import jupyter_cedana
-from jupyter_cedana.app import CedanaApp
-from jupyter_cedana.backoff import SuspendBackoff
-from jupyter_cedana.checkpoint_agent import CheckpointAgent
-from jupyter_cedana.cuda import CudaCheckpointer
-from jupyter_cedana.engine import CheckpointEngine
-from jupyter_cedana.gpu import GpuMonitor
-from jupyter_cedana.limits import SuspendLimits
-from jupyter_cedana.parking import KernelParking
-from jupyter_cedana.policy import SuspendPolicy
+from jupyter_cedana.checkpoint.engine import CheckpointEngine
+from jupyter_cedana.gpu.cuda import CudaCheckpointer
+from jupyter_cedana.gpu.monitor import GpuMonitor
+from jupyter_cedana.server.app import CedanaApp
+from jupyter_cedana.server.backoff import SuspendBackoff
+from jupyter_cedana.server.kernel.checkpoint_agent import CheckpointAgent
+from jupyter_cedana.server.limits import SuspendLimits
+from jupyter_cedana.server.parking import KernelParking
+from jupyter_cedana.server.policy import SuspendPolicy
 
 DOCS = Path(__file__).resolve().parent
 OUTPUT = DOCS / "config.md"

@@ -9,7 +9,7 @@ def _jupyter_labextension_paths() -> list[dict[str, str]]:
 
 
 def _jupyter_server_extension_points() -> list[dict[str, object]]:
-    from .app import CedanaApp
+    from .server.app import CedanaApp
 
     return [{"module": "jupyter_cedana", "app": CedanaApp}]
 

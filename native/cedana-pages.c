@@ -15,7 +15,7 @@
  * (instead of reading zeros, which is what a closed userfaultfd gives) until the server
  * kills it.
  *
- * The map (written by jupyter_cedana/lazy.py from the image) gives the chunk size, the
+ * The map (written by jupyter_cedana/checkpoint/lazy.py from the image) gives the chunk size, the
  * page files with their chunk CRC tables, and per process the lazily restored page runs:
  * address range, page file, offset. The main thread serves page faults, each with the
  * chunk that holds the page, and keeps the runs up to date through fork, mremap, munmap

@@ -103,7 +103,7 @@ for helper in cedana-init cedana-pages cedana-cuda; do
     || fail "$exe did not run (exit $rc): $usage"
 done
 engine_init=$(in_venv python -c \
-  'from jupyter_cedana.engine import CheckpointEngine; print(CheckpointEngine.instance().init_binary())') \
+  'from jupyter_cedana.checkpoint.engine import CheckpointEngine; print(CheckpointEngine.instance().init_binary())') \
   || fail "the checkpoint engine finds no cedana-init"
 [ "$engine_init" = "$pkg/bin/cedana-init" ] || fail "the engine uses $engine_init, not $pkg/bin/cedana-init"
 

@@ -71,7 +71,7 @@ lab_exts=$("$ROOT/.venv/bin/jupyter" labextension list 2>&1)
 grep "jupyter-cedana.*enabled" <<<"$lab_exts" >/dev/null || fail "the JupyterLab extension is not enabled"
 "$VPY" - <<'PY' || fail "the checkpoint engine is unavailable"
 import os
-from jupyter_cedana.engine import CheckpointEngine
+from jupyter_cedana.checkpoint.engine import CheckpointEngine
 info = CheckpointEngine.instance().probe()
 if os.geteuid() != 0:
     # Such a user's server runs no CRIU; it checkpoints through the checkpoint agent.

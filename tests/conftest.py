@@ -22,8 +22,8 @@ from jupyter_core.utils import ensure_event_loop
 from traitlets.config import Config
 
 from jupyter_cedana.agent.client import AgentClient
-from jupyter_cedana.checkpoint_agent import CheckpointAgent
-from jupyter_cedana.engine import CheckpointEngine
+from jupyter_cedana.checkpoint.engine import CheckpointEngine
+from jupyter_cedana.server.kernel.checkpoint_agent import CheckpointAgent
 
 pytest_plugins = ["pytest_jupyter.jupyter_server"]
 
@@ -242,7 +242,7 @@ async def run(kc: Any, code: str, timeout: float = 60) -> tuple[dict[str, Any], 
 
 
 def kernel_pids(km: Any) -> set[int]:
-    from jupyter_cedana.proctree import process_tree
+    from jupyter_cedana.checkpoint.proctree import process_tree
 
     return process_tree(km.provisioner.pid)
 

@@ -248,7 +248,7 @@ def wait_for(pred: Callable[[], Any], timeout: float = 5.0) -> Any:
 
 def wait_tree(pid: int, size: int, timeout: float = 5.0) -> set[int]:
     """The process tree of `pid` once it has `size` processes (else whatever it is)."""
-    from jupyter_cedana.proctree import process_tree
+    from jupyter_cedana.checkpoint.proctree import process_tree
 
     tree: set[int] = set()
 

@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from jupyter_cedana.engine import CheckpointEngine
+from jupyter_cedana.checkpoint.engine import CheckpointEngine
 
 OPS = ("dump", "restore")
 POINTS = ("before", "after")
@@ -202,7 +202,7 @@ class DumpStages:
     """
 
     def __init__(self, directory: Path, monkeypatch: Any):
-        from jupyter_cedana import capture
+        from jupyter_cedana.checkpoint import capture
 
         self.dir = directory
         self.dir.mkdir(parents=True, exist_ok=True)

@@ -11,12 +11,12 @@ DOC = ROOT / "docs" / "architecture.md"
 # Where the files it names by their bare name (in the diagrams) live.
 HOMES = [
     ROOT / "jupyter_cedana",
-    ROOT / "jupyter_cedana" / "agent",
+    *sorted(p.parent for p in (ROOT / "jupyter_cedana").glob("*/**/__init__.py")),
     ROOT / "native",
     ROOT / "labextension" / "src",
 ]
 
-# A path into the package, the native helpers or the frontend: jupyter_cedana/gate.py,
+# A path into the package, the native helpers or the frontend: jupyter_cedana/server/gate.py,
 # native/cedana-pages.c, labextension/src/panel.tsx, jupyter_cedana/events/kernel_state.yaml
 PATH = re.compile(r"\b((?:jupyter_cedana|native|labextension/src)/[\w./-]*\w)")
 # A bare file name of those kinds, as the diagrams write them: manager.py, panel.tsx

@@ -1,4 +1,5 @@
-"""The receiving end of `criu dump --stream` (jupyter_cedana/capture.py), against real CRIU."""
+"""The receiving end of `criu dump --stream` (jupyter_cedana/checkpoint/capture.py),
+against real CRIU."""
 
 from __future__ import annotations
 
@@ -14,8 +15,14 @@ from typing import Any
 
 import pytest
 
-from jupyter_cedana.capture import _BUF, SOCKET_NAME, CaptureFailed, ImageCapture, _request_name
-from jupyter_cedana.integrity import CHUNK_SIZE, chunk_crcs
+from jupyter_cedana.checkpoint.capture import (
+    _BUF,
+    SOCKET_NAME,
+    CaptureFailed,
+    ImageCapture,
+    _request_name,
+)
+from jupyter_cedana.checkpoint.integrity import CHUNK_SIZE, chunk_crcs
 
 pytestmark = pytest.mark.root
 
@@ -202,7 +209,7 @@ def test_a_file_is_closed_only_once_every_write_of_it_is_in(
     its number next), and CRIU restores the process from the image, intact."""
     import threading
 
-    from jupyter_cedana import capture as capture_module
+    from jupyter_cedana.checkpoint import capture as capture_module
 
     held, release, closed = threading.Event(), threading.Event(), threading.Event()
     went_to: list[str] = []  # where the held write's descriptor leads after, and before

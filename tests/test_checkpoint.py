@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from jupyter_cedana.checkpoint import CheckpointStore, validate_kernel_id
+from jupyter_cedana.checkpoint.integrity import CHUNK_SIZE, FollowingHasher, chunk_crcs, read_table
+from jupyter_cedana.checkpoint.store import CheckpointStore, validate_kernel_id
 from jupyter_cedana.errors import CheckpointCorrupt, InvalidId
-from jupyter_cedana.integrity import CHUNK_SIZE, FollowingHasher, chunk_crcs, read_table
 
 
 @pytest.mark.parametrize("bad", ["", "..", "../x", "a/b", ".hidden", "x" * 200, "a b", "é"])

@@ -611,7 +611,7 @@ def test_server_shutdown_leaves_no_kernel_process_or_image(tmp_path: Path) -> No
 
 
 def test_list_says_what_waits_and_what_backs_off() -> None:
-    from jupyter_cedana.cli import kernel_row
+    from jupyter_cedana.cli.main import kernel_row
 
     base = {"id": "k", "name": "python3", "idle_seconds": 5, "gpus": [], "checkpoint_bytes": 0}
     queued = {**base, "state": "running", "queued": {"action": "suspend", "position": 2}}

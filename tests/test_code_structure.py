@@ -13,23 +13,20 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "jupyter_cedana"
 
-# The checkpoint core: CRIU, the image store and its formats, the GPU's driver. Used by
-# the server today and by the checkpoint agent; it knows neither.
-CORE = {
-    "_version", "errors", "timestamps", "proctree", "procmount", "criucache", "crimg",
-    "integrity", "incremental", "capture", "readahead", "checkpoint", "lazy", "dumping",
-    "engine", "hostmem", "admission", "cuda", "cuda_helper", "cuda_preflight", "gpu",
-    "gpu_pids", "pids", "launch", "parkrecords", "store_gc", "portremap",
-}  # fmt: skip
-# The Jupyter server extension.
-SERVER = {
-    "app", "handlers", "manager", "gate", "websocket", "replies", "links", "policy",
-    "limits", "backoff", "kernel_facts", "kernel_view", "kernel_events", "metrics",
-    "status", "parking", "adoption", "provisioner", "checkpointing", "restoring",
-    "transitions", "gpu_steps", "bases", "checkpoint_agent", "kernel_ports", "kernel_record",
-}  # fmt: skip
-# `jupyter cedana`: talks to servers over REST and reads stores; no server internals.
-CLI = {"cli", "cli_gc", "cli_text", "serverclient"}
+# Each layer is a set of folders of the package (and the few modules every layer
+# shares), so that the package's listing is its architecture:
+# - core: the checkpoint core (CRIU, the image store and its formats) and the GPU (NVML,
+#   the CUDA driver's checkpoint). Used by the server and by the checkpoint agent; it
+#   knows neither;
+# - server: the Jupyter server extension, its kernels' provisioner among it;
+# - cli: `jupyter cedana`, which talks to servers over REST and reads stores;
+# - agent: the checkpoint agent, the one privileged part.
+LAYERS = {
+    "core": {"_version", "errors", "timestamps", "package_files", "checkpoint", "gpu"},
+    "server": {"server"},
+    "cli": {"cli"},
+    "agent": {"agent"},
+}
 # What a server may use of the agent: the client and its wire format, nothing that
 # runs with the agent's privilege.
 AGENT_CLIENT = {"agent.client", "agent.protocol"}
@@ -76,10 +73,9 @@ def layer(name: str) -> str | None:
         return "root"
     if name in AGENT_CLIENT:
         return "agent-client"
-    if name == "agent" or name.startswith("agent."):
-        return "agent"
-    for layer_name, members in (("core", CORE), ("server", SERVER), ("cli", CLI)):
-        if name in members:
+    top = name.split(".")[0]
+    for layer_name, folders in LAYERS.items():
+        if top in folders:
             return layer_name
     return None
 
@@ -248,15 +244,24 @@ def test_the_private_check_catches_a_reach(tmp_path: Path, source: str, expect: 
 
 
 def test_the_cycle_and_layer_checks_catch_a_breach() -> None:
-    g = {"engine": {"dumping"}, "dumping": {"engine"}, "manager": set(), "cli": {"manager"}}
-    assert cycles(g) == [["dumping", "engine"]]
-    assert layer_violations(g) == ["cli (cli) imports manager (server)"]
-    assert layer_violations({"agent.criu": {"gate"}}) == [
-        "agent.criu (agent) imports gate (server)"
+    g = {
+        "checkpoint.engine": {"checkpoint.dumping"},
+        "checkpoint.dumping": {"checkpoint.engine"},
+        "server.manager": set(),
+        "cli.main": {"server.manager"},
+    }
+    assert cycles(g) == [["checkpoint.dumping", "checkpoint.engine"]]
+    assert layer_violations(g) == ["cli.main (cli) imports server.manager (server)"]
+    assert layer_violations({"agent.criu": {"server.gate"}}) == [
+        "agent.criu (agent) imports server.gate (server)"
     ]
-    assert layer_violations({"agent.client": {"engine"}}) == [
-        "agent.client (agent-client) imports engine (core)"
+    assert layer_violations({"agent.client": {"checkpoint.engine"}}) == [
+        "agent.client (agent-client) imports checkpoint.engine (core)"
     ]
+    assert layer_violations({"checkpoint.engine": {"server.kernel.provisioner"}}) == [
+        "checkpoint.engine (core) imports server.kernel.provisioner (server)"
+    ]
+    assert layer("flat_module") is None
 
 
 def test_the_import_reader_sees_type_only_and_function_imports(tmp_path: Path) -> None:
@@ -269,3 +274,8 @@ def test_the_import_reader_sees_type_only_and_function_imports(tmp_path: Path) -
     )
     found = {t for t, _ in imports("mod", path, {"engine", "gate", "agent.client"})}
     assert found == {"engine", "gate", "agent.client"}
+    # From inside a subpackage, `..` climbs out of it.
+    deep = tmp_path / "deep.py"
+    deep.write_text("from ..checkpoint.store import CheckpointStore\nfrom . import gate\n")
+    known = {"checkpoint.store", "server.gate"}
+    assert {t for t, _ in imports("server.deep", deep, known)} == known

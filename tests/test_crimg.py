@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from jupyter_cedana import crimg
-from jupyter_cedana.crimg import PAGE_SIZE, PE_LAZY, PE_PARENT, PE_PRESENT, ImageError
+from jupyter_cedana.checkpoint import crimg
+from jupyter_cedana.checkpoint.crimg import PAGE_SIZE, PE_LAZY, PE_PARENT, PE_PRESENT, ImageError
 
 PAGEMAP_MAGIC = 0x56084025
 BASE = 0x7F0000000000

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from jupyter_cedana import criucache
+from jupyter_cedana.checkpoint import criucache
 
 MOUNTINFO = """\
 22 1 252:1 / / rw,relatime shared:1 - ext4 /dev/vda rw

@@ -12,14 +12,14 @@ from typing import Any
 
 import pytest
 
-from jupyter_cedana.cuda import CudaCheckpointer, CudaStateLeft, OffloadResult
 from jupyter_cedana.errors import (
     GpuError,
     InsufficientGpuMemory,
     InsufficientHostMemory,
     NotCheckpointable,
 )
-from jupyter_cedana.gpu import GpuMonitor
+from jupyter_cedana.gpu.cuda import CudaCheckpointer, CudaStateLeft, OffloadResult
+from jupyter_cedana.gpu.monitor import GpuMonitor
 
 from .conftest_gpu import (
     CUDA_ERROR_INVALID_VALUE,

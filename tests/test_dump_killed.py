@@ -21,10 +21,10 @@ from typing import Any
 
 import pytest
 
-from jupyter_cedana.dumping import criu_errors, criu_last_step, criu_reasons
+from jupyter_cedana.checkpoint.dumping import criu_errors, criu_last_step, criu_reasons
+from jupyter_cedana.checkpoint.proctree import process_tree
 from jupyter_cedana.errors import SuspendFailed
-from jupyter_cedana.proctree import process_tree
-from jupyter_cedana.provisioner import KernelState
+from jupyter_cedana.server.kernel.provisioner import KernelState
 from tests.conftest import alive, kernel_pids, run, wait_iopub
 from tests.criu_hold import DumpStages
 from tests.test_provisioner import BOOKKEEPING

@@ -24,8 +24,8 @@ from jupyter_server.services.kernels.connection.base import (
 )
 from tornado.httpclient import HTTPClientError
 
-from jupyter_cedana.manager import EVENT_SCHEMA
-from jupyter_cedana.proctree import process_tree
+from jupyter_cedana.checkpoint.proctree import process_tree
+from jupyter_cedana.server.manager import EVENT_SCHEMA
 
 from . import test_server as server
 from .conftest import run
@@ -402,7 +402,7 @@ async def test_a_held_cell_waits_for_stdin_to_reconnect(
     """After a restore each client socket reconnects on its own; the kernel's input
     request to a stdin socket not yet back is dropped by ZMQ, so the gate delivers a held
     cell only once stdin is connected. Here the test keeps it away until it lets it go."""
-    from jupyter_cedana import links, websocket
+    from jupyter_cedana.server import links, websocket
 
     monkeypatch.setattr(websocket, "STDIN_RECONNECT_TIMEOUT", 600.0)
     kid = await new_kernel()
@@ -594,7 +594,7 @@ async def test_the_policy_leaves_a_restarting_kernel_alone(
 ):
     """A restart is something a person did, and while it runs there is no settled process
     to freeze (the execution state and activity seen are the old process's)."""
-    from jupyter_cedana.provisioner import CedanaProvisioner
+    from jupyter_cedana.server.kernel.provisioner import CedanaProvisioner
 
     launching, go = asyncio.Event(), asyncio.Event()
     launch = CedanaProvisioner.launch_kernel

@@ -11,7 +11,7 @@ import sys
 import uuid
 from pathlib import Path
 
-from jupyter_cedana.checkpoint import CheckpointStore
+from jupyter_cedana.checkpoint.store import CheckpointStore
 
 JUPYTER = str(Path(sys.executable).parent / "jupyter")
 

@@ -20,9 +20,9 @@ from typing import Any
 
 import pytest
 
-from jupyter_cedana.engine import CheckpointEngine
+from jupyter_cedana.checkpoint.engine import CheckpointEngine
 from jupyter_cedana.errors import GpuError, NotCheckpointable
-from jupyter_cedana.provisioner import KernelState
+from jupyter_cedana.server.kernel.provisioner import KernelState
 from tests.conftest import run
 
 from .conftest_gpu import HELPER, ROOT, FakeGpu, fake_gpu, gpu_build

@@ -1,4 +1,4 @@
-"""The host memory room the GPU offload checks (jupyter_cedana.hostmem), from /proc and
+"""The host memory room the GPU offload checks (jupyter_cedana.gpu.hostmem), from /proc and
 cgroup files laid out as the kernel shows them, and from this machine's own."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from jupyter_cedana.hostmem import host_room, mem_available
+from jupyter_cedana.gpu.hostmem import host_room, mem_available
 
 GiB = 1 << 30
 

@@ -22,7 +22,8 @@ from typing import Any
 import pytest
 from traitlets.config import Config
 
-from jupyter_cedana.engine import CheckpointEngine
+from jupyter_cedana.checkpoint.engine import CheckpointEngine
+from jupyter_cedana.checkpoint.proctree import process_tree
 from jupyter_cedana.errors import (
     Conflict,
     GpuError,
@@ -31,10 +32,9 @@ from jupyter_cedana.errors import (
     NotCheckpointable,
     SuspendFailed,
 )
-from jupyter_cedana.manager import SuspendManager
-from jupyter_cedana.policy import SuspendPolicy
-from jupyter_cedana.proctree import process_tree
-from jupyter_cedana.provisioner import KernelState
+from jupyter_cedana.server.kernel.provisioner import KernelState
+from jupyter_cedana.server.manager import SuspendManager
+from jupyter_cedana.server.policy import SuspendPolicy
 from tests.conftest import exited, run, wait_iopub
 
 from .conftest_gpu import (

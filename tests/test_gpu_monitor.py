@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from jupyter_cedana import proctree
-from jupyter_cedana.gpu import GpuMonitor
-from jupyter_cedana.proctree import nspids, process_tree
+from jupyter_cedana.checkpoint import proctree
+from jupyter_cedana.checkpoint.proctree import nspids, process_tree
+from jupyter_cedana.gpu.monitor import GpuMonitor
 
 from .conftest_gpu import (
     H100,
@@ -64,7 +64,7 @@ def test_no_library_reports_reason(gpu_build):
     """In a process where libnvidia-ml.so.1 cannot be found at all."""
     env = {k: v for k, v in os.environ.items() if k not in ("LD_LIBRARY_PATH", "LD_PRELOAD")}
     code = (
-        "import json; from jupyter_cedana.gpu import GpuMonitor; m = GpuMonitor(); "
+        "import json; from jupyter_cedana.gpu.monitor import GpuMonitor; m = GpuMonitor(); "
         "print(json.dumps([m.available, m.reason, m.devices(), m.sample({'k': {1}})]))"
     )
     out = subprocess.run(
@@ -80,7 +80,8 @@ def test_no_library_reports_reason(gpu_build):
 def test_fake_nvml_via_ld_library_path(fake_gpu):
     """The subprocess route: pynvml finds the fake through LD_LIBRARY_PATH."""
     code = (
-        "from jupyter_cedana.gpu import GpuMonitor; m = GpuMonitor(); print(m.devices()[0]['name'])"
+        "from jupyter_cedana.gpu.monitor import GpuMonitor; "
+        "m = GpuMonitor(); print(m.devices()[0]['name'])"
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert out.stdout.strip() == H100, out.stderr

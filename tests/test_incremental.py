@@ -1,5 +1,6 @@
-"""Incremental images (jupyter_cedana/incremental.py): a streamed dump on a base writes only
-the pages the base lacks, and real CRIU restores base plus deltas as one image."""
+"""Incremental images (jupyter_cedana/checkpoint/incremental.py): a streamed dump on a
+base writes only the pages the base lacks, and real CRIU restores base plus deltas as one
+image."""
 
 from __future__ import annotations
 
@@ -13,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from jupyter_cedana.capture import ImageCapture
-from jupyter_cedana.crimg import PE_PARENT, ImageError, pagemap, pids
-from jupyter_cedana.incremental import INDEX_NAME, PARENT_LINK, PageIndex, image_token
-from jupyter_cedana.integrity import chunk_crcs
+from jupyter_cedana.checkpoint.capture import ImageCapture
+from jupyter_cedana.checkpoint.crimg import PE_PARENT, ImageError, pagemap, pids
+from jupyter_cedana.checkpoint.incremental import INDEX_NAME, PARENT_LINK, PageIndex, image_token
+from jupyter_cedana.checkpoint.integrity import chunk_crcs
 from tests.test_capture import digest_of, restored_digest, running
 
 pytestmark = pytest.mark.root

@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
-from jupyter_cedana.incremental import INDEX_NAME
-from jupyter_cedana.limits import estimate_image_bytes
+from jupyter_cedana.checkpoint.incremental import INDEX_NAME
+from jupyter_cedana.server.limits import estimate_image_bytes
 from tests.test_server import api, connect, manager, new_kernel  # noqa: F401
 
 pytestmark = pytest.mark.criu

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from jupyter_cedana import crimg
-from jupyter_cedana.checkpoint import BASE_NAME
+from jupyter_cedana.checkpoint import crimg
+from jupyter_cedana.checkpoint.incremental import INDEX_NAME, PARENT_LINK
+from jupyter_cedana.checkpoint.store import BASE_NAME
 from jupyter_cedana.errors import CheckpointCorrupt
-from jupyter_cedana.incremental import INDEX_NAME, PARENT_LINK
-from jupyter_cedana.provisioner import KernelState
+from jupyter_cedana.server.kernel.provisioner import KernelState
 from tests.conftest import run, wait_iopub
 
 pytestmark = pytest.mark.criu
@@ -175,7 +175,7 @@ async def test_a_chain_past_its_limit_is_replaced_by_a_whole_image(
     first delta fits (the chain holds the whole image) and the next suspend, whose chain
     would hold more, writes a whole image instead: the chain is gone from disk and the
     state comes back."""
-    from jupyter_cedana import checkpointing
+    from jupyter_cedana.server.kernel import checkpointing
 
     prov = kernel.provisioner
     prov.engine.keep_base = True

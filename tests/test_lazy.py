@@ -20,9 +20,9 @@ from typing import Any
 import pytest
 
 import jupyter_cedana
-from jupyter_cedana import crimg, lazy, readahead
-from jupyter_cedana.engine import CheckpointEngine
-from jupyter_cedana.provisioner import KernelState
+from jupyter_cedana.checkpoint import crimg, lazy, readahead
+from jupyter_cedana.checkpoint.engine import CheckpointEngine
+from jupyter_cedana.server.kernel.provisioner import KernelState
 from jupyter_cedana.timestamps import iso
 from tests.conftest import (
     alive,
@@ -703,7 +703,7 @@ from pathlib import Path
 from jupyter_client.manager import AsyncKernelManager
 from jupyter_client.provisioning import KernelProvisionerFactory
 from traitlets.config import Config
-from jupyter_cedana.proctree import process_tree
+from jupyter_cedana.checkpoint.proctree import process_tree
 
 async def main():
     KernelProvisionerFactory.instance().default_provisioner_name = "cedana-provisioner"

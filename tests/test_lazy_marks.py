@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from jupyter_cedana import crimg
-from jupyter_cedana.provisioner import KernelState
+from jupyter_cedana.checkpoint import crimg
+from jupyter_cedana.server.kernel.provisioner import KernelState
 from tests.conftest import run, wait_iopub
 from tests.test_lazy import (
     EXPECTED_SUM,

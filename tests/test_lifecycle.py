@@ -18,11 +18,11 @@ import pytest
 from jupyter_client.kernelspec import KernelSpecManager
 from jupyter_client.manager import AsyncKernelManager
 
-from jupyter_cedana.checkpoint import ROOT_MARKER
+from jupyter_cedana.checkpoint.proctree import process_tree
+from jupyter_cedana.checkpoint.store import ROOT_MARKER
 from jupyter_cedana.errors import Conflict, SuspendFailed
-from jupyter_cedana.kernel_ports import kernel_ports
-from jupyter_cedana.proctree import process_tree
-from jupyter_cedana.provisioner import KernelState
+from jupyter_cedana.server.kernel.ports import kernel_ports
+from jupyter_cedana.server.kernel.provisioner import KernelState
 from tests.conftest import kernel_pids, run, wait_iopub
 
 pytestmark = pytest.mark.criu

@@ -9,15 +9,15 @@ from pathlib import Path
 
 import pytest
 
-from jupyter_cedana.backoff import SuspendBackoff, not_checkpointable
-from jupyter_cedana.checkpoint import CheckpointStore
+from jupyter_cedana.checkpoint.store import CheckpointStore
 from jupyter_cedana.errors import (
     Conflict,
     InsufficientStorage,
     NotCheckpointable,
     SuspendFailed,
 )
-from jupyter_cedana.limits import Budget, Slots, estimate_image_bytes
+from jupyter_cedana.server.backoff import SuspendBackoff, not_checkpointable
+from jupyter_cedana.server.limits import Budget, Slots, estimate_image_bytes
 
 # -- slots ---------------------------------------------------------------------------------
 

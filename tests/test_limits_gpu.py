@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
-from jupyter_cedana.engine import CheckpointEngine
-from jupyter_cedana.limits import estimate_image_bytes
-from jupyter_cedana.proctree import process_tree
+from jupyter_cedana.checkpoint.engine import CheckpointEngine
+from jupyter_cedana.checkpoint.proctree import process_tree
+from jupyter_cedana.server.limits import estimate_image_bytes
 from tests.conftest_gpu import (  # noqa: F401
     FAKE_LIBCUDA,
     FAKE_OLD_LIBCUDA,

@@ -24,9 +24,9 @@ from typing import Any
 
 import pytest
 
-from jupyter_cedana.checkpoint import CheckpointStore
-from jupyter_cedana.limits import estimate_image_bytes
-from jupyter_cedana.manager import EVENT_SCHEMA
+from jupyter_cedana.checkpoint.store import CheckpointStore
+from jupyter_cedana.server.limits import estimate_image_bytes
+from jupyter_cedana.server.manager import EVENT_SCHEMA
 from tests.test_server import api, connect, manager, new_kernel  # noqa: F401
 
 pytestmark = pytest.mark.criu

@@ -27,7 +27,7 @@ from typing import Any
 import pytest
 from jupyter_client.blocking import BlockingKernelClient
 
-from jupyter_cedana.proctree import process_tree, stat_fields
+from jupyter_cedana.checkpoint.proctree import process_tree, stat_fields
 
 pytestmark = [pytest.mark.root]
 

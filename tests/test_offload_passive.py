@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from jupyter_cedana.engine import CheckpointEngine
-from jupyter_cedana.proctree import process_tree
+from jupyter_cedana.checkpoint.engine import CheckpointEngine
+from jupyter_cedana.checkpoint.proctree import process_tree
 from tests.conftest import alive
 from tests.conftest_gpu import FAKE_LIBCUDA, HELPER, FakeGpu, GiB, fake_gpu, gpu_build, nspid
 from tests.test_gate import api, connect, gate, idle_for_hours, manager, new_kernel, until

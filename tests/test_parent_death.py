@@ -20,7 +20,7 @@ import asyncio, json, os, sys
 from jupyter_client.manager import AsyncKernelManager
 from jupyter_client.provisioning import KernelProvisionerFactory
 from traitlets.config import Config
-from jupyter_cedana.proctree import process_tree
+from jupyter_cedana.checkpoint.proctree import process_tree
 
 async def main():
     KernelProvisionerFactory.instance().default_provisioner_name = "cedana-provisioner"

@@ -26,7 +26,7 @@ from tornado.httpclient import HTTPRequest
 from tornado.websocket import websocket_connect
 from traitlets.config import Config
 
-from jupyter_cedana.engine import CheckpointEngine
+from jupyter_cedana.checkpoint.engine import CheckpointEngine
 from jupyter_cedana.timestamps import Stamp, stamp
 from tests import test_cli
 from tests.conftest import run, start_kernel, stop_kernel, wait_iopub

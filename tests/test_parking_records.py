@@ -15,10 +15,8 @@ from typing import Any
 
 import pytest
 
-from jupyter_cedana import parkrecords
-from jupyter_cedana.checkpoint import CheckpointStore
-from jupyter_cedana.errors import InvalidId
-from jupyter_cedana.parkrecords import (
+from jupyter_cedana.checkpoint import parkrecords
+from jupyter_cedana.checkpoint.parkrecords import (
     RECORD_FORMAT,
     HeldRecord,
     RecordBusy,
@@ -32,6 +30,8 @@ from jupyter_cedana.parkrecords import (
     wait_for_parkers,
     write_record,
 )
+from jupyter_cedana.checkpoint.store import CheckpointStore
+from jupyter_cedana.errors import InvalidId
 
 LOG = logging.getLogger("test")
 
@@ -138,8 +138,8 @@ def test_a_lock_won_on_a_removed_record_is_refused(
 
 HOLD_RECORD = """
 import sys
-from jupyter_cedana.checkpoint import CheckpointStore
-from jupyter_cedana.parkrecords import HeldRecord, RECORD_FORMAT
+from jupyter_cedana.checkpoint.store import CheckpointStore
+from jupyter_cedana.checkpoint.parkrecords import HeldRecord, RECORD_FORMAT
 record = {"format": RECORD_FORMAT, "kernel_id": sys.argv[2], "kernel_name": "python3",
           "connection_info": {}, "uid": 0}
 held = HeldRecord.create(CheckpointStore(sys.argv[1]), record)
@@ -201,8 +201,8 @@ def test_a_held_record_stays_locked_through_its_updates(tmp_path: Path) -> None:
 
 HOLD_PARKING_LOCK = """
 import sys
-from jupyter_cedana.checkpoint import CheckpointStore
-from jupyter_cedana.parkrecords import ParkingLock
+from jupyter_cedana.checkpoint.store import CheckpointStore
+from jupyter_cedana.checkpoint.parkrecords import ParkingLock
 lock = ParkingLock(CheckpointStore(sys.argv[1]))
 print("locked", flush=True)
 sys.stdin.read()

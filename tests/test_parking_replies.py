@@ -16,8 +16,8 @@ from jupyter_client.session import Session
 from tornado.httpclient import HTTPRequest
 from tornado.websocket import websocket_connect
 
-from jupyter_cedana import replies as replies_module
-from jupyter_cedana.replies import Message, ReplyCache
+from jupyter_cedana.server import replies as replies_module
+from jupyter_cedana.server.replies import Message, ReplyCache
 
 from . import test_gate, test_parking
 from .test_cli import Server

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 from traitlets.config import Config
 
+from jupyter_cedana.checkpoint.pids import check_free, task_ids
 from jupyter_cedana.errors import ResumeFailed
-from jupyter_cedana.pids import check_free, task_ids
-from jupyter_cedana.provisioner import KernelState
+from jupyter_cedana.server.kernel.provisioner import KernelState
 from tests.conftest import kernel_pids, run, wait_iopub
 
 pytestmark = [pytest.mark.criu, pytest.mark.root]

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from jupyter_cedana.policy import (
+from jupyter_cedana.server.policy import (
     KernelFacts,
     SuspendPolicy,
     retention_ended,

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from jupyter_cedana.checkpoint import CheckpointStore
-from jupyter_cedana.integrity import file_crc32
-from jupyter_cedana.portremap import FILES, PENDING, listeners, rewrite_files_img
+from jupyter_cedana.checkpoint.integrity import file_crc32
+from jupyter_cedana.checkpoint.portremap import FILES, PENDING, listeners, rewrite_files_img
+from jupyter_cedana.checkpoint.store import CheckpointStore
 from tests.test_cli import Server
 from tests.test_parking import (
     execute,

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from jupyter_cedana.engine import CheckpointEngine
-from jupyter_cedana.procmount import dump_turn, proc_mount_dir
+from jupyter_cedana.checkpoint.engine import CheckpointEngine
+from jupyter_cedana.checkpoint.procmount import dump_turn, proc_mount_dir
 
 pytestmark = pytest.mark.root  # a PID namespace needs CAP_SYS_ADMIN
 

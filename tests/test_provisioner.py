@@ -19,12 +19,12 @@ from typing import Any
 import pytest
 from jupyter_client.manager import _ShutdownStatus
 
-from jupyter_cedana import crimg, criucache
-from jupyter_cedana.checkpoint import ROOT_MARKER
+from jupyter_cedana.checkpoint import crimg, criucache
+from jupyter_cedana.checkpoint.proctree import process_tree
+from jupyter_cedana.checkpoint.store import ROOT_MARKER
 from jupyter_cedana.errors import CheckpointCorrupt, Conflict, ResumeFailed, SuspendFailed
-from jupyter_cedana.kernel_ports import kernel_ports
-from jupyter_cedana.proctree import process_tree
-from jupyter_cedana.provisioner import KernelState
+from jupyter_cedana.server.kernel.ports import kernel_ports
+from jupyter_cedana.server.kernel.provisioner import KernelState
 from tests.conftest import (
     AGENT_SOCKET,
     agent_kernel,
@@ -389,7 +389,7 @@ async def test_an_interrupt_while_the_kernel_starts_does_not_kill_it(
 def test_cedana_init_starts_a_command_with_sigint_ignored_on_request(flag: bool) -> None:
     """What --ignore-sigint does, seen by the command it starts: SIGINT is ignored from
     the command's first instruction (exec keeps an ignored disposition)."""
-    from jupyter_cedana.engine import CheckpointEngine
+    from jupyter_cedana.checkpoint.engine import CheckpointEngine
 
     init = CheckpointEngine.instance().init_binary()
     cmd = [init, *(["--ignore-sigint"] if flag else []), "--", "cat", "/proc/self/status"]

@@ -20,7 +20,7 @@ from jupyter_client.session import Session
 from openapi_schema_validator import OAS30Validator
 from tornado.httpclient import HTTPClientError
 
-from jupyter_cedana.manager import EVENT_SCHEMA
+from jupyter_cedana.server.manager import EVENT_SCHEMA
 from tests.conftest import AGENT_SOCKET, agent_kernel, has_image
 
 pytestmark = pytest.mark.criu

@@ -12,8 +12,8 @@ import time
 import uuid
 from pathlib import Path
 
-from jupyter_cedana import store_gc
-from jupyter_cedana.checkpoint import ROOT_MARKER, CheckpointStore
+from jupyter_cedana.checkpoint import store_gc
+from jupyter_cedana.checkpoint.store import ROOT_MARKER, CheckpointStore
 
 
 def image(store: CheckpointStore, kid: str, payload: bytes = b"p" * 4096) -> Path:
@@ -274,7 +274,7 @@ def test_records_adoption_refuses_are_collected_with_the_reason(tmp_path: Path) 
 # A process that starts a dump the way a server does, says where, and waits to be killed.
 _WRITER = """
 import sys, time
-from jupyter_cedana.checkpoint import CheckpointStore
+from jupyter_cedana.checkpoint.store import CheckpointStore
 tmp = CheckpointStore(sys.argv[1]).begin(sys.argv[2])
 (tmp / "pages-1.img").write_bytes(b"p" * 4096)
 print(tmp, flush=True)
@@ -390,8 +390,8 @@ def test_a_locked_record_write_cut_short_is_collected_at_once(tmp_path: Path) ->
 def test_the_record_writer_names_its_file_only_once_locked(tmp_path: Path) -> None:
     """The name a record write's temporary file carries while it is written is already
     locked: seen from outside at the rename over the record (intercepted)."""
-    from jupyter_cedana import parkrecords
-    from jupyter_cedana.checkpoint import writer_gone
+    from jupyter_cedana.checkpoint import parkrecords
+    from jupyter_cedana.checkpoint.store import writer_gone
 
     store = CheckpointStore(tmp_path)
     store.ensure_root()

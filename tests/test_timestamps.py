@@ -1,7 +1,7 @@
 import datetime as dt
 import time
 
-from jupyter_cedana.checkpoint import CheckpointStore
+from jupyter_cedana.checkpoint.store import CheckpointStore
 from jupyter_cedana.timestamps import CLOCK, Stamp, iso
 
 

@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..proctree import process_tree
+from ..checkpoint.proctree import process_tree
 from .imagestore import ImageStore
 from .kernels import Adopted, KernelRecord, KernelTable, State
 from .records import Proc, boot_id, start_time

@@ -22,14 +22,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, cast
 
-from .. import lazy as lazy_pages
-from ..checkpoint import CheckpointStore, validate_kernel_id
-from ..crimg import ImageError, mark_lazy
-from ..dumping import dir_bytes
-from ..engine import kill_restore
+from ..checkpoint import lazy as lazy_pages
+from ..checkpoint.crimg import ImageError, mark_lazy
+from ..checkpoint.dumping import dir_bytes
+from ..checkpoint.engine import kill_restore
+from ..checkpoint.integrity import is_page_file
+from ..checkpoint.proctree import process_tree
+from ..checkpoint.store import CheckpointStore, validate_kernel_id
 from ..errors import CedanaError
-from ..integrity import is_page_file
-from ..proctree import process_tree
 from .criu import AgentEngine, CriuSettings, UnsafeSetup
 from .imagecheck import ImageRefused, verify_owner
 from .imagestore import DEFAULT_QUOTA, ImageStore, manifest_meta

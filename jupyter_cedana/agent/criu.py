@@ -41,19 +41,18 @@ import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from traitlets import TraitError, validate
 from traitlets.config import Config
 
-from ..engine import MIN_CRIU, CheckpointEngine, EngineInfo
+from ..checkpoint.engine import MIN_CRIU, CheckpointEngine, EngineInfo
 from ..errors import EngineUnavailable
+from ..package_files import BIN_DIR, NO_PLUGINS_DIR
 
 FIXED_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 KDAT = "/run/criu.kdat"
-_PACKAGE = Path(__file__).resolve().parent.parent
-PACKAGE_PLUGIN_DIR = _PACKAGE / "criu_plugins"  # holds no .so: CRIU loads nothing
+PACKAGE_PLUGIN_DIR = NO_PLUGINS_DIR
 
 
 # Run by the agent's own interpreter (-I -S: no user site, no PYTHON* variables) in a
@@ -132,8 +131,8 @@ class CriuSettings:
     state_dir: str  # the agent's own directory: image store, CRIU's HOME
     criu_path: str = "/usr/local/sbin/criu"
     plugin_dir: str = str(PACKAGE_PLUGIN_DIR)
-    init_path: str = str(_PACKAGE / "bin" / "cedana-init")
-    pages_path: str = str(_PACKAGE / "bin" / "cedana-pages")
+    init_path: str = str(BIN_DIR / "cedana-init")
+    pages_path: str = str(BIN_DIR / "cedana-pages")
     setpriv_path: str = "/usr/bin/setpriv"
     dump_timeout: float = 600.0
     restore_timeout: float = 600.0

@@ -22,7 +22,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from .. import crimg
+from ..checkpoint import crimg
 
 _CORE_THREAD = 5
 _MM_EXE_FILE_ID = 12

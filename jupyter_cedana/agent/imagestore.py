@@ -20,8 +20,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..checkpoint import CheckpointStore, validate_kernel_id
-from ..dumping import dir_bytes
+from ..checkpoint.dumping import dir_bytes
+from ..checkpoint.store import CheckpointStore, validate_kernel_id
 from .protocol import AgentError
 from .records import MAX_META, meta_size
 

@@ -24,14 +24,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ..package_files import BIN_DIR
 from . import protocol
 from .imagestore import ImageStore, manifest_meta
 from .kernels import KernelRecord, State
 from .protocol import AgentError
 from .records import MAX_META, meta_size
 from .service import Caller, Progress, Service, check_root_file
-
-_BIN = Path(__file__).resolve().parent.parent / "bin"
 
 # Variables that steer the dynamic loader or libc of a process (cedana-init's watcher and
 # init run as root with the request's environment) or CRIU (which the agent runs): none
@@ -124,7 +123,7 @@ class Launcher:
     def __init__(self, service: Service, init_binary: str | None = None):
         self.service = service
         self.kernels = service.kernels
-        self.init_binary = init_binary or str(_BIN / "cedana-init")
+        self.init_binary = init_binary or str(BIN_DIR / "cedana-init")
         self.kernels_dir = service.state_dir / "kernels"
 
     def register(self) -> None:

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 from jupyter_cedana.agent.imagecheck import root_exe, task_creds
-from jupyter_cedana.proctree import process_tree
+from jupyter_cedana.checkpoint.proctree import process_tree
 
 from . import test_launch
 from .conftest import USER_PYTHON, Agent

@@ -36,7 +36,7 @@ from jupyter_client.session import Session
 from tornado.httpclient import HTTPRequest
 from tornado.websocket import WebSocketClientConnection, websocket_connect
 
-from jupyter_cedana.proctree import process_tree, stat_fields
+from jupyter_cedana.checkpoint.proctree import process_tree, stat_fields
 
 from .conftest import USER_PYTHON, Agent
 

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from jupyter_cedana.agent import protocol
+from jupyter_cedana.package_files import BIN_DIR
 
 from .conftest import Agent, is_open, read_reply, request_frame, start_agent, wait_listening
 
@@ -287,6 +288,5 @@ def test_refuses_an_init_program_users_can_replace(agent_base: Path, where: str)
 
 
 def _packaged_init() -> str:
-    from jupyter_cedana.agent import launch
 
-    return str(launch._BIN / "cedana-init")
+    return str(BIN_DIR / "cedana-init")

@@ -11,7 +11,7 @@ from typing import Any
 
 from traitlets.config import Config
 
-from jupyter_cedana.checkpoint_agent import CheckpointAgent
+from jupyter_cedana.server.kernel.checkpoint_agent import CheckpointAgent
 
 
 def pytest_configure(config: Any) -> None:

@@ -1,6 +1,6 @@
 /*
  * TEST-ONLY FAKE of libnvidia-ml.so.1: the NVML calls pynvml makes for
- * jupyter_cedana.gpu, answered from $CEDANA_FAKE_GPU_STATE (fakegpu_state.h).
+ * jupyter_cedana.gpu.monitor, answered from $CEDANA_FAKE_GPU_STATE (fakegpu_state.h).
  * Struct layouts follow pynvml's ctypes definitions (nvmlProcessInfo_v2/v3,
  * nvmlMemory[_v2], nvmlUtilization, nvmlProcessUtilizationSample).
  * Device handles are (index + 1) cast to a pointer.

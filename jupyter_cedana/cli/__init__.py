@@ -1,0 +1,1 @@
+"""`jupyter cedana`: talks to running servers over REST and reads stores."""

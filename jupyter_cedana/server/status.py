@@ -1,0 +1,63 @@
+"""`GET /api/cedana/status`: what this server can checkpoint, where, and how much room is
+left (docs/rest-api.yaml, schema Status)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..checkpoint.engine import CheckpointEngine
+from .limits import Budget, TransitionQueue
+
+
+def server_status(
+    engine: CheckpointEngine,
+    gpu_monitor: Any,
+    budget: Budget,
+    queue: TransitionQueue,
+    agent_socket: str | None = None,
+) -> dict[str, Any]:
+    """`agent_socket`: the checkpoint agent's, when this server uses one."""
+    info = engine.probe()
+    usage = engine.store.usage()
+    gpu: dict[str, Any] = {
+        "available": False,
+        "reason": "GPU monitor not loaded",
+        "driver_version": None,
+        "devices": [],
+        "checkpoint": False,
+    }
+    if gpu_monitor is not None:
+        gpu["available"] = bool(gpu_monitor.available)
+        gpu["reason"] = gpu_monitor.reason
+        gpu["driver_version"] = gpu_monitor.driver_version
+        gpu["devices"] = gpu_monitor.devices() if gpu_monitor.available else []
+    gpu["checkpoint"], cuda_reason = engine.cuda_status()
+    if agent_socket:
+        gpu["checkpoint"] = False
+        cuda_reason = "GPU checkpoints through the checkpoint agent are not supported yet"
+    if gpu["available"] and not gpu["checkpoint"]:
+        gpu["reason"] = f"GPU memory cannot be checkpointed: {cuda_reason}"
+    return {
+        "available": info.available,
+        "reason": info.reason,
+        "criu_version": info.criu_version,
+        "root": info.pidns,
+        "agent_socket": agent_socket or None,
+        "checkpoint_root": str(engine.store.root),
+        "bytes_used": usage.bytes_used,
+        "bytes_free": usage.bytes_free,
+        "budget": budget.snapshot(),
+        "queued": queue.counts(),
+        "gpu": gpu,
+        "warnings": _warnings(engine, info),
+    }
+
+
+def _warnings(engine: CheckpointEngine, info: Any) -> list[str]:
+    """What slows checkpointing down here, for admins (the server logs it at start)."""
+    out = []
+    if info.available and (why := engine.criu_cache_problem()):
+        out.append(
+            f"CRIU probes the Linux kernel again on every suspend and resume (~30 ms): {why}"
+        )
+    return out
