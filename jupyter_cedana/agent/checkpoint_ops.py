@@ -1,4 +1,5 @@
-"""The agent's checkpoint ops: `dump`, `restore`, `discard`, `images`.
+"""The agent's checkpoint ops: `dump`, `restore`, `discard`, `images` (and, from
+port_ops.py, `free_ports`).
 
 A kernel is found only through the agent's records under the caller's uid
 (kernels.KernelTable), and an image only in the caller's directory of the agent's store:
@@ -23,17 +24,19 @@ from pathlib import Path
 from typing import Any, cast
 
 from ..checkpoint import lazy as lazy_pages
+from ..checkpoint import portremap
 from ..checkpoint.crimg import ImageError, mark_lazy
 from ..checkpoint.dumping import dir_bytes
 from ..checkpoint.engine import kill_restore
 from ..checkpoint.integrity import is_page_file
 from ..checkpoint.proctree import process_tree
-from ..checkpoint.store import CheckpointStore, validate_kernel_id
+from ..checkpoint.store import CheckpointStore
 from ..errors import CedanaError
 from .criu import AgentEngine, CriuSettings, UnsafeSetup
 from .imagecheck import ImageRefused, verify_owner
-from .imagestore import DEFAULT_QUOTA, ImageStore, manifest_meta
+from .imagestore import DEFAULT_QUOTA, ImageStore, kernel_id_arg, manifest_meta
 from .kernels import KernelRecord, State
+from .port_ops import PortOps
 from .protocol import AgentError
 from .service import Caller, Progress, ProgressFrames, Service, user_groups
 
@@ -43,16 +46,6 @@ _PHASES = {"dump": "dumping"}
 #: Seconds between progress frames of a restore's checksum pass.
 VERIFY_FRAME_INTERVAL = 0.2
 _log = logging.getLogger("jupyter_cedana.agent")
-
-
-def _kernel_id(args: dict[str, Any]) -> str:
-    kid = args.get("kernel_id")
-    if not isinstance(kid, str):
-        raise AgentError("bad_request", "kernel_id must be a string")
-    try:
-        return validate_kernel_id(kid)
-    except CedanaError as e:
-        raise AgentError("bad_request", e.message) from e
 
 
 def load_settings(state_dir: Path) -> tuple[CriuSettings, int]:
@@ -138,6 +131,32 @@ class CheckpointOps:
         service.register("discard", self.op_discard)
         service.register("images", self.op_images)
 
+    def dumped_record(self, caller: Caller, kid: str) -> KernelRecord:
+        """The caller's record of a dumped kernel `kid`, made for an image from before
+        the agent restarted (which has none), so that an op on the image holds its lock."""
+        store = self.store.for_uid(caller.uid)
+        record = self.kernels.get(caller.uid, kid)
+        if record is not None and record.state != State.dumped:
+            raise AgentError("conflict", f"kernel {kid} is {record.state.value}, not dumped")
+        if not store.exists(kid):
+            raise AgentError("not_found", f"no image of kernel {kid}")
+        if record is None:
+            meta = None
+            with contextlib.suppress(CedanaError):
+                meta = manifest_meta(store.read_manifest(kid))
+            record = KernelRecord(
+                uid=caller.uid,
+                kernel_id=kid,
+                gid=caller.gid,
+                groups=user_groups(caller.uid, caller.gid),
+                init_pid=0,
+                process=None,
+                state=State.dumped,
+                meta=meta,
+            )
+            self.kernels.reserve(record)
+        return record
+
     def _require(self) -> None:
         try:
             self.engine.require()
@@ -164,7 +183,7 @@ class CheckpointOps:
     async def _dump(
         self, caller: Caller, args: dict[str, Any], frames: ProgressFrames
     ) -> dict[str, Any]:
-        kid = _kernel_id(args)
+        kid = kernel_id_arg(args)
         record = self.kernels.lookup(caller.uid, kid)
         async with record.lock:
             if record.state != State.running or record.init_pid <= 0:
@@ -245,33 +264,14 @@ class CheckpointOps:
     async def _restore_op(
         self, caller: Caller, args: dict[str, Any], frames: ProgressFrames
     ) -> dict[str, Any]:
-        kid = _kernel_id(args)
+        kid = kernel_id_arg(args)
         lazy = args.get("lazy", False)
         if not isinstance(lazy, bool):
             raise AgentError("bad_request", "lazy must be true or false")
         store = self.store.for_uid(caller.uid)
-        record = self.kernels.get(caller.uid, kid)
-        if not store.exists(kid):
-            raise AgentError("not_found", f"no image of kernel {kid}")
-        if record is not None and record.state != State.dumped:
-            raise AgentError("conflict", f"kernel {kid} is {record.state.value}, not dumped")
+        record = self.dumped_record(caller, kid)
         self._require()
         groups = user_groups(caller.uid, caller.gid)
-        if record is None:  # an image from before the agent restarted
-            meta = None
-            with contextlib.suppress(CedanaError):
-                meta = manifest_meta(store.read_manifest(kid))
-            record = KernelRecord(
-                uid=caller.uid,
-                kernel_id=kid,
-                gid=caller.gid,
-                groups=groups,
-                init_pid=0,
-                process=None,
-                state=State.dumped,
-                meta=meta,
-            )
-            self.kernels.reserve(record)
         async with record.lock:
             if record.state != State.dumped:
                 raise AgentError("conflict", f"kernel {kid} is {record.state.value}, not dumped")
@@ -279,6 +279,9 @@ class CheckpointOps:
             manifest: dict[str, Any] | None = None
             frames({"phase": "verifying", "done": None, "total": None})
             try:
+                # A port rewrite (free_ports) cut short by the agent's death is completed
+                # or undone, so the checksums below hold.
+                await asyncio.to_thread(portremap.finish, store, kid)
                 if lazy and await asyncio.to_thread(self.engine.lazy_unsupported) is None:
                     manifest = await asyncio.to_thread(store.check_sizes, kid)
                     if not _chunked(manifest):
@@ -424,7 +427,7 @@ class CheckpointOps:
         return pid, proc
 
     async def op_discard(self, caller: Caller, args: dict[str, Any], _: Progress) -> dict[str, Any]:
-        kid = _kernel_id(args)
+        kid = kernel_id_arg(args)
         store = self.store.for_uid(caller.uid)
         record = self.kernels.get(caller.uid, kid)
         if record is not None and record.state != State.dumped:
@@ -503,3 +506,4 @@ def register(service: Service) -> None:
             e,
         )
     ops.register(service)
+    PortOps(ops.store, ops.dumped_record).register(service)

@@ -22,6 +22,7 @@ from typing import Any
 
 from ..checkpoint.dumping import dir_bytes
 from ..checkpoint.store import CheckpointStore, validate_kernel_id
+from ..errors import CedanaError
 from .protocol import AgentError
 from .records import MAX_META, meta_size
 
@@ -39,6 +40,17 @@ def _private_dir(path: Path) -> Path:
     if stat.S_IMODE(st.st_mode) != 0o700:
         os.chmod(path, 0o700)
     return path
+
+
+def kernel_id_arg(args: dict[str, Any]) -> str:
+    """A request's `kernel_id`, checked before it names anything in the store."""
+    kid = args.get("kernel_id")
+    if not isinstance(kid, str):
+        raise AgentError("bad_request", "kernel_id must be a string")
+    try:
+        return validate_kernel_id(kid)
+    except CedanaError as e:
+        raise AgentError("bad_request", e.message) from e
 
 
 def manifest_meta(manifest: dict[str, Any]) -> dict[str, Any] | None:
