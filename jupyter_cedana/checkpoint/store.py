@@ -19,6 +19,7 @@ from typing import Any
 from ..errors import CheckpointCorrupt, InvalidId, NotFound
 from ..timestamps import stamp
 from . import readahead
+from .exchange import rename_exchange
 from .integrity import (
     CHUNK_SIZE,
     chunk_crcs,
@@ -278,6 +279,22 @@ class CheckpointStore:
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
         return manifest
+
+    def exchange(self, kernel_id: str, tmp: Path) -> Path:
+        """Put the complete image in `tmp` (from begin(), its manifest durable) in place of
+        the kernel's image in one step a kill cannot split (exchange.py), for a compacted
+        chain (compaction.py). Returns where the old image now is: a deletion name that
+        gc removes, for the caller to delete. A kill before that rename leaves the old
+        image at `tmp`'s name, whose lock (on the new image's directory) is gone: gc
+        removes it too."""
+        final = self.path(kernel_id)
+        rename_exchange(tmp, final)
+        fsync_path(self.root, directory=True)
+        _stop_writing(tmp)  # its lock is on the directory now at `final`
+        os.chmod(final, 0o700)
+        doomed = self.root / f".{kernel_id}.del-{time.monotonic_ns()}"
+        os.rename(tmp, doomed)
+        return doomed
 
     def read_manifest(self, kernel_id: str) -> dict[str, Any]:
         mpath = self.path(kernel_id) / MANIFEST

@@ -1,0 +1,473 @@
+"""Compaction: a suspended kernel's chain of incremental images (incremental.py: a whole
+image and the deltas on it) folded into one whole image, which then takes the chain's
+place in one step a kill cannot split (exchange.py). docs/incremental.md, *Compaction*.
+
+The fold reads every page the kernel's newest image holds, in whichever layer of the
+chain holds it, checking every 64 KiB chunk it reads against that layer's chunk table
+(and every other file against its CRC), and writes a whole image as a dump would: one
+page file per page map, in the page map's order, with new chunk tables, all-zero chunks
+as holes, the page maps' in-parent entries made present (their lazy marks kept). The
+other files are the newest image's, copied; the manifest is the newest image's (its
+`created` and `created_clock` too: it is the same checkpoint, taken at the same time, so
+retention and the page index, which names the image by `created`, go on as before), with
+the new files and `held_bytes` equal to its own size.
+
+Named steps, each of which a kill may end (`compact`):
+- fold: into a store temporary (`.<id>.tmp-<pid>-<n>.locked`): a kill leaves a temporary
+  whose lock is gone, which gc removes; the chain is untouched.
+- exchange (after `folded`): the folded image and the chain swap names at once.
+- removal (after `exchanged`): the chain, now at the temporary's name, is renamed to a
+  deletion name and deleted; a kill leaves either name, both gc's.
+
+A `Job` is how a caller cancels: a resume sets `cancel` and waits for `settled`, which is
+set as soon as the compaction has stopped short of the exchange, or done it; the fold
+looks at `cancel` after every read of at most 4 MiB. Test holds: with the environment
+variable JUPYTER_CEDANA_COMPACTION_HOLDS naming a directory, a step whose `arm-STEP` file
+is there waits at it (creating `reached-STEP`) until `release-STEP` exists (or the job is
+cancelled, before the exchange): tests/test_compaction*.py.
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import ctypes
+import os
+import platform
+import shutil
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from isal.isal_zlib import crc32
+
+from ..errors import CheckpointCorrupt
+from .crimg import (
+    PAGE_SIZE,
+    PE_LAZY,
+    PE_PARENT,
+    PE_PRESENT,
+    ImageError,
+    decode,
+    field_spans,
+    int_field,
+    pagemap_record,
+    read_pagemap_entry,
+)
+from .incremental import INDEX_NAME, manifest_token
+from .integrity import (
+    CHUNK_SIZE,
+    ChunkHasher,
+    drop_written,
+    is_page_file,
+    punch_zeros,
+    start_writeback,
+    table_name,
+    write_table,
+)
+from .store import MANIFEST, CheckpointStore, fsync_path, replace_json_durably
+
+HOLD_ENV = "JUPYTER_CEDANA_COMPACTION_HOLDS"
+STEPS = ("folding", "folded", "exchanged")
+_READ = 4 << 20  # read (and checked) at once; and how often `cancel` is looked at
+_WRITEBACK = 32 << 20
+# The manifest keys that describe a delta and its chain, not the folded image.
+_CHAIN_KEYS = ("base", "delta", "held_bytes", "files", "total_bytes")
+
+
+class Cancelled(Exception):
+    """The compaction was cancelled (a resume): nothing replaced, the temporary gone."""
+
+
+@dataclass
+class Job:
+    """One compaction, as its caller sees it."""
+
+    kernel_id: str
+    cancel: threading.Event = field(default_factory=threading.Event)
+    # Set once the chain is either kept for good (stopped before the exchange) or
+    # replaced (exchanged): what a resume waits for.
+    settled: threading.Event = field(default_factory=threading.Event)
+    exchanged: bool = False
+    step: str = ""
+    # Held while the job decides to exchange and exchanges, so that a cancel set before
+    # it is always seen.
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+@dataclass
+class Chain:
+    """What a kernel's image holds: layers (1: whole), bytes on disk (held), and the
+    bytes of the pages it restores (its memory, as a whole image holds it)."""
+
+    layers: int
+    held_bytes: int
+    memory_bytes: int
+
+
+@dataclass
+class Result:
+    layers: int
+    held_before: int
+    held_after: int
+    seconds: float
+    read_bytes: int
+
+
+def chain_of(store: CheckpointStore, kernel_id: str) -> Chain | None:
+    """The kernel's image as a chain (manifests only: cheap); None without an image."""
+    try:
+        manifest = store.read_manifest(kernel_id)
+        layers = store.layers(kernel_id, manifest)
+    except Exception:
+        return None
+    held = int(manifest.get("held_bytes") or manifest.get("total_bytes") or 0)
+    delta = manifest.get("delta")
+    if isinstance(delta, dict) and isinstance(delta.get("pages"), int):
+        memory = delta["pages"] * PAGE_SIZE
+    else:
+        memory = sum(
+            int(m.get("size", 0)) for n, m in manifest.get("files", {}).items() if is_page_file(n)
+        )
+    return Chain(len(layers), held, memory)
+
+
+def hold(step: str, job: Job | None) -> None:
+    """A test's hold at `step` (module docstring); nothing when none is armed."""
+    where = os.environ.get(HOLD_ENV)
+    if job is not None:
+        job.step = step
+    if not where:
+        return
+    armed = Path(where) / f"arm-{step}"
+    if not armed.exists():
+        return
+    armed.unlink(missing_ok=True)
+    (Path(where) / f"reached-{step}").touch()
+    release = Path(where) / f"release-{step}"
+    while not release.exists():
+        if job is not None and not job.exchanged and job.cancel.is_set():
+            raise Cancelled(f"compaction of {job.kernel_id} cancelled at {step}")
+        time.sleep(0.005)
+    release.unlink(missing_ok=True)
+
+
+def polite() -> None:
+    """Lowest CPU and I/O priority for the calling thread (Linux applies both per
+    thread): the compaction runs beside kernels and suspends, which come first."""
+    tid = threading.get_native_id()
+    with contextlib.suppress(OSError):
+        os.setpriority(os.PRIO_PROCESS, tid, 19)
+    number = {"x86_64": 251, "aarch64": 30}.get(platform.machine())
+    if number is not None:  # ioprio_set(IOPRIO_WHO_PROCESS, tid, IOPRIO_CLASS_IDLE)
+        with contextlib.suppress(Exception):
+            ctypes.CDLL(None, use_errno=True).syscall(number, 1, tid, 3 << 13)
+
+
+def compact(store: CheckpointStore, kernel_id: str, job: Job | None = None) -> Result | None:
+    """Fold the kernel's chain into a whole image and put it in the chain's place; None
+    when its image is already whole. Cancelled when `job` is cancelled before the
+    exchange; CheckpointCorrupt (a damaged chunk or file: the chain is kept as it is, and
+    its resume reports the damage), ImageError or OSError when it cannot be folded."""
+    job = job or Job(kernel_id)
+    t0 = time.monotonic()
+    tmp: Path | None = None
+    doomed: Path | None = None
+    try:
+        manifest = store.check_sizes(kernel_id)
+        if not manifest.get("base"):
+            return None
+        token = manifest_token(manifest)
+        layers = [(where, layer) for where, layer, _ in store.layers(kernel_id, manifest)]
+        tmp = store.begin(kernel_id)
+        fold = _Fold(store, kernel_id, layers, tmp, job)
+        files = fold.run()
+        total = sum(meta["size"] for meta in files.values())
+        folded = {k: v for k, v in manifest.items() if k not in _CHAIN_KEYS}
+        folded.update(files=files, total_bytes=total, held_bytes=total)
+        folded["compacted"] = {
+            "at": time.time(),
+            "layers": len(layers),
+            "held_before": int(manifest.get("held_bytes") or 0),
+        }
+        replace_json_durably(tmp / MANIFEST, folded)
+        index = layers[0][0] / INDEX_NAME
+        with contextlib.suppress(FileNotFoundError):
+            # The same pages at the same addresses, and the same `created`: the index
+            # of the chain's newest image is the folded image's.
+            shutil.copyfile(index, tmp / INDEX_NAME)
+            os.chmod(tmp / INDEX_NAME, 0o600)
+            fsync_path(tmp / INDEX_NAME)
+        fsync_path(tmp, directory=True)
+        hold("folded", job)
+        with job.lock:
+            if job.cancel.is_set():
+                raise Cancelled(f"compaction of {kernel_id} cancelled before the exchange")
+            if manifest_token(store.read_manifest(kernel_id)) != token:
+                raise Cancelled(f"the image of {kernel_id} changed during its compaction")
+            doomed = store.exchange(kernel_id, tmp)
+            job.exchanged = True
+        tmp = None
+    finally:
+        job.settled.set()
+        if tmp is not None:
+            store.discard(tmp)
+    hold("exchanged", job)
+    shutil.rmtree(doomed, ignore_errors=True)
+    return Result(
+        len(layers),
+        int(manifest.get("held_bytes") or 0),
+        total,
+        time.monotonic() - t0,
+        fold.read_bytes,
+    )
+
+
+@dataclass
+class _Run:
+    vaddr: int
+    end: int
+    flags: int
+    offset: int  # in the layer's page file, when present
+
+
+class _Source:
+    """A layer's page file, read by chunk spans, each chunk checked against its table
+    once; the last span read is kept (the fold reads a layer mostly in file order)."""
+
+    def __init__(self, path: Path, name: str, chunk_size: int, size: int, crcs: list[int]):
+        self.path, self.name = path, name
+        self.chunk_size, self.size, self.crcs = chunk_size, size, crcs
+        self.fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        self.checked: set[int] = set()
+        self.span = (0, b"")
+        self.read_bytes = 0
+
+    def read(self, offset: int, length: int) -> bytes:
+        lo, data = self.span
+        if lo <= offset and offset + length <= lo + len(data):
+            return data[offset - lo : offset - lo + length]
+        if offset + length > self.size:
+            raise CheckpointCorrupt(f"{self.name} is shorter than its page map says")
+        cs = self.chunk_size
+        first = offset // cs
+        last = (offset + length - 1) // cs
+        lo = first * cs
+        hi = min((last + 1) * cs, self.size)
+        data = os.pread(self.fd, hi - lo, lo)
+        self.read_bytes += len(data)
+        if len(data) != hi - lo:
+            raise CheckpointCorrupt(f"{self.name} is shorter than its size")
+        view = memoryview(data)
+        for c in range(first, last + 1):
+            if c not in self.checked:
+                if crc32(view[(c - first) * cs : (c - first + 1) * cs]) != self.crcs[c]:
+                    raise CheckpointCorrupt(
+                        f"checksum mismatch in {self.name} at offset {c * cs} (chunk {c})"
+                    )
+                self.checked.add(c)
+        self.span = (lo, data)
+        return data[offset - lo : offset - lo + length]
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+class _Fold:
+    def __init__(
+        self,
+        store: CheckpointStore,
+        kernel_id: str,
+        layers: list[tuple[Path, dict[str, Any]]],
+        tmp: Path,
+        job: Job,
+    ):
+        self.store, self.kid, self.layers, self.tmp, self.job = store, kernel_id, layers, tmp, job
+        self.maps: dict[tuple[int, str], tuple[list[_Run], list[int], str]] = {}
+        self.sources: dict[tuple[int, str], _Source] = {}
+        self.read_bytes = 0
+        self.files: dict[str, dict[str, Any]] = {}
+
+    def prefix(self, depth: int) -> str:
+        return "base/" * depth
+
+    def verified(self, depth: int, name: str) -> bytes:
+        """A small file of a layer, its CRC checked."""
+        where, layer = self.layers[depth]
+        meta = layer["files"].get(name)
+        if meta is None or "crc32" not in meta:
+            raise CheckpointCorrupt(
+                f"Checkpoint of {self.kid} is damaged: {self.prefix(depth)}{name} is not in "
+                "its manifest"
+            )
+        data = (where / name).read_bytes()
+        if len(data) != meta["size"] or crc32(data) != meta["crc32"]:
+            raise CheckpointCorrupt(
+                f"Checkpoint of {self.kid} is corrupted: checksum mismatch in "
+                f"{self.prefix(depth)}{name}"
+            )
+        return data
+
+    def run(self) -> dict[str, dict[str, Any]]:
+        top = self.layers[0][1]
+        try:
+            for name in sorted(top["files"]):
+                if name.startswith("pagemap-") and name.endswith(".img"):
+                    self.fold_pagemap(name)
+                elif not is_page_file(name) and not (
+                    name.endswith(".chunks") and is_page_file(name[: -len(".chunks")])
+                ):
+                    data = self.verified(0, name)
+                    self.write_small(name, data)
+                if self.job.cancel.is_set():
+                    raise Cancelled(f"compaction of {self.kid} cancelled")
+        finally:
+            for source in self.sources.values():
+                self.read_bytes += source.read_bytes
+                source.close()
+        return self.files
+
+    def write_small(self, name: str, data: bytes) -> None:
+        path = self.tmp / name
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        self.files[name] = {"size": len(data), "crc32": crc32(data)}
+
+    def runs(self, depth: int, name: str) -> tuple[list[_Run], list[int], str]:
+        """A layer's page map `name`: its runs (with their offsets), their starts, and
+        its page file."""
+        key = (depth, name)
+        if key not in self.maps:
+            data = self.verified(depth, name)
+            spans = field_spans(data, name)
+            pages_file = f"pages-{int_field(decode(data[spans[0][0] : spans[0][1]]), 1)}.img"
+            out: list[_Run] = []
+            offset = 0
+            for lo, hi in spans[1:]:
+                v, n, f = read_pagemap_entry(data, lo, hi)
+                out.append(_Run(v, v + n * PAGE_SIZE, f, offset))
+                if f & PE_PRESENT:
+                    offset += n * PAGE_SIZE
+            self.maps[key] = (out, [r.vaddr for r in out], pages_file)
+        return self.maps[key]
+
+    def source(self, depth: int, pages_file: str) -> _Source:
+        key = (depth, pages_file)
+        if key not in self.sources:
+            where, layer = self.layers[depth]
+            meta = layer["files"].get(pages_file)
+            if meta is None or "chunks" not in meta:
+                raise CheckpointCorrupt(
+                    f"Checkpoint of {self.kid} has no chunk table for "
+                    f"{self.prefix(depth)}{pages_file}"
+                )
+            self.verified(depth, meta["chunks"])  # the table's own CRC
+            crcs = self.store.chunk_table(self.kid, layer, pages_file, where)
+            self.sources[key] = _Source(
+                where / pages_file,
+                self.prefix(depth) + pages_file,
+                meta["chunk_size"],
+                meta["size"],
+                crcs,
+            )
+        return self.sources[key]
+
+    def resolve(
+        self, depth: int, name: str, lo: int, hi: int, out: list[tuple[int, int, int]]
+    ) -> None:
+        """Where pages [lo, hi) of page map `name` are, from layer `depth` down: (layer,
+        offset in its page file, length) pieces appended to `out`."""
+        if depth >= len(self.layers):
+            raise ImageError(f"{name}: pages at {lo:#x} are in no layer of the chain")
+        runs, starts, _ = self.runs(depth, name)
+        i = bisect.bisect_right(starts, lo) - 1
+        pos = lo
+        while pos < hi:
+            if i < 0 or i >= len(runs) or runs[i].vaddr > pos or runs[i].end <= pos:
+                raise ImageError(
+                    f"{self.prefix(depth)}{name}: page {pos:#x} is not in its page map"
+                )
+            run = runs[i]
+            end = min(hi, run.end)
+            if run.flags & PE_PRESENT:
+                piece = (depth, run.offset + pos - run.vaddr, end - pos)
+                last = out[-1] if out else None
+                if last and last[0] == depth and last[1] + last[2] == piece[1]:
+                    out[-1] = (depth, last[1], last[2] + piece[2])
+                else:
+                    out.append(piece)
+            elif run.flags & PE_PARENT:
+                self.resolve(depth + 1, name, pos, end, out)
+            else:
+                raise ImageError(f"{self.prefix(depth)}{name}: page {pos:#x} has no content")
+            pos = end
+            i += 1
+
+    def fold_pagemap(self, name: str) -> None:
+        data = self.verified(0, name)
+        spans = field_spans(data, name)
+        head_end = spans[1][0] - 4 if len(spans) > 1 else len(data)
+        records = [data[:head_end]]
+        pages_file = self.runs(0, name)[2]
+        pieces: list[tuple[int, int, int]] = []
+        offset = 0  # in the top's page file
+        for lo, hi in spans[1:]:
+            vaddr, count, flags = read_pagemap_entry(data, lo, hi)
+            wide = 5 in decode(data[lo:hi])
+            if flags & PE_PRESENT:
+                self.resolve(0, name, vaddr, vaddr + count * PAGE_SIZE, pieces)
+                offset += count * PAGE_SIZE
+            elif flags & PE_PARENT:
+                self.resolve(1, name, vaddr, vaddr + count * PAGE_SIZE, pieces)
+                flags = PE_PRESENT | (flags & PE_LAZY)
+            records.append(pagemap_record(vaddr, count, flags, wide))
+        self.write_pages(name, pages_file, pieces)
+        self.write_small(name, b"".join(records))
+
+    def write_pages(
+        self, pagemap: str, pages_file: str, pieces: list[tuple[int, int, int]]
+    ) -> None:
+        """The folded page file of page map `pagemap`, from its pieces in the layers."""
+        path = self.tmp / pages_file
+        hasher = ChunkHasher(CHUNK_SIZE)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        try:
+            written = synced = 0
+            for depth, offset, length in pieces:
+                # Each layer numbers its page files itself: the layer's page map names it.
+                source = self.source(depth, self.runs(depth, pagemap)[2])
+                while length:
+                    take = min(length, _READ)
+                    block = memoryview(source.read(offset, take))
+                    hasher.update(block)
+                    while block:
+                        n = os.write(fd, block)
+                        block = block[n:]
+                    written += take
+                    offset += take
+                    length -= take
+                    if written - synced >= _WRITEBACK:  # bounded page cache, early writes
+                        start_writeback(fd, synced, written - synced)
+                        if synced:
+                            drop_written(fd, 0, synced)
+                        synced = written
+                    if self.job.cancel.is_set():
+                        raise Cancelled(f"compaction of {self.kid} cancelled")
+                    if self.job.step != "folding":
+                        hold("folding", self.job)
+            punch_zeros(fd, hasher, 0)
+            os.fsync(fd)
+            drop_written(fd, 0, written)
+        finally:
+            os.close(fd)
+        table = table_name(pages_file)
+        write_table(self.tmp / table, CHUNK_SIZE, hasher.size, hasher.crcs())
+        fsync_path(self.tmp / table)
+        table_bytes = (self.tmp / table).read_bytes()
+        self.files[pages_file] = {"size": hasher.size, "chunk_size": CHUNK_SIZE, "chunks": table}
+        self.files[table] = {"size": len(table_bytes), "crc32": crc32(table_bytes)}
