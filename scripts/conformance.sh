@@ -4,16 +4,67 @@
 # provisioner, and once with the stock one, so both results stand side by side in the log.
 # Fails when a suite fails under cedana-provisioner or passes fewer tests than stock.
 #
-# Usage: scripts/conformance.sh [--no-stock] [pytest args...]
+# Usage: scripts/conformance.sh [--through-agent] [--no-stock] [pytest args...]
 # Cache (sdists, a venv with their test dependencies layered over .venv): .conformance/
 #
-# As an ordinary user, through a checkpoint agent that runs as root: set
-# CEDANA_TEST_AGENT_SOCKET to its socket (every cedana-provisioner of the suites then
-# launches, suspends and resumes its kernels there), CONFORMANCE_PYTHON to a virtualenv's
-# python that user can run (.venv-nonroot) and CONFORMANCE_CACHE to a directory of theirs.
+# --through-agent (as root; opt-in, not part of scripts/test.sh: about 10 minutes more):
+# both runs as the ordinary user cedana-test (.venv-nonroot, scripts/setup-nonroot.sh),
+# every cedana-provisioner of the suites launching, suspending and resuming its kernels
+# through a checkpoint agent started here as root on a private socket, as scripts/test.sh
+# does for its non-root pass. By hand instead: set CEDANA_TEST_AGENT_SOCKET to an agent's
+# socket, CONFORMANCE_PYTHON to a virtualenv's python that the user can run and
+# CONFORMANCE_CACHE to a directory of theirs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
+if [ "${1:-}" = "--through-agent" ]; then
+  shift
+  [ "$(id -u)" = 0 ] || { echo "--through-agent: run as root (the agent runs as root)" >&2; exit 1; }
+  NR=$ROOT/.venv-nonroot/bin
+  [ -x "$NR/python" ] || { echo "no $NR/python: run scripts/setup-nonroot.sh" >&2; exit 1; }
+  # The agent refuses a socket or state directory that anyone but root could write, up to
+  # /: its own under /tmp (root's, sticky), 0755 so that the user reaches the socket.
+  AGENT_DIR=$(mktemp -d /tmp/cedana-conformance-agent.XXXXXX)
+  agent_pid=
+  stop_agent() {
+    if [ -n "$agent_pid" ]; then
+      kill -TERM "$agent_pid" 2>/dev/null || true
+      wait "$agent_pid" 2>/dev/null || true
+    fi
+    rm -rf "$AGENT_DIR"
+  }
+  trap stop_agent EXIT
+  chmod 0755 "$AGENT_DIR"
+  install -d -m 0755 "$AGENT_DIR/run"
+  install -d -m 0700 "$AGENT_DIR/state"
+  # Its kernels end with it (--kernels-on-stop kill): nothing of the run outlives it.
+  (cd / && exec "$ROOT/.venv/bin/python" -m jupyter_cedana.agent \
+    --socket "$AGENT_DIR/run/agent.sock" --state-dir "$AGENT_DIR/state" \
+    --kernels-on-stop kill >"$AGENT_DIR/agent.out" 2>"$AGENT_DIR/agent.log") &
+  agent_pid=$!
+  for _ in $(seq 600); do # it says `listening` once it accepts connections
+    grep -q listening "$AGENT_DIR/agent.out" && break
+    kill -0 "$agent_pid" 2>/dev/null || break
+    sleep 0.2
+  done
+  grep -q listening "$AGENT_DIR/agent.out" || {
+    echo "the checkpoint agent did not start:" >&2
+    cat "$AGENT_DIR/agent.log" >&2
+    exit 1
+  }
+  install -d -m 0755 "$ROOT/.conformance"
+  install -d -o cedana-test -g cedana-test "$ROOT/.conformance/agent"
+  rc=0
+  runuser -u cedana-test -- env -i HOME=/home/cedana-test LANG=C.UTF-8 \
+    PATH="$NR:/usr/bin:/bin" CEDANA_TEST_AGENT_SOCKET="$AGENT_DIR/run/agent.sock" \
+    CONFORMANCE_PYTHON="$NR/python" CONFORMANCE_CACHE="$ROOT/.conformance/agent" \
+    bash "$ROOT/scripts/conformance.sh" "$@" || rc=$?
+  if [ "$rc" != 0 ]; then
+    echo "the checkpoint agent's log (last lines):" >&2
+    tail -n 40 "$AGENT_DIR/agent.log" >&2
+  fi
+  exit "$rc"
+fi
 STOCK=1
 if [ "${1:-}" = "--no-stock" ]; then STOCK=0; shift; fi
 CACHE=${CONFORMANCE_CACHE:-$ROOT/.conformance}

@@ -16,7 +16,6 @@ import asyncio
 import contextlib
 import itertools
 import json
-import socket
 import sys
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -45,15 +44,6 @@ class AgentClient:
     async def connect(cls, path: str = protocol.DEFAULT_SOCKET) -> AgentClient:
         reader, writer = await asyncio.open_unix_connection(path, limit=protocol.MAX_RESPONSE + 8)
         return cls(reader, writer)
-
-    def abandon(self) -> None:
-        """Close the socket of a connection whose event loop has closed (nothing can be
-        awaited there any more), so that the agent sees it gone."""
-        sock = self._writer.get_extra_info("socket")
-        if sock is not None:
-            with contextlib.suppress(OSError):
-                sock.shutdown(socket.SHUT_RDWR)  # the descriptor goes with the transport
-        self._closed = self._closed or ConnectionResetError("its event loop closed")
 
     @property
     def closed(self) -> bool:
@@ -96,8 +86,7 @@ class AgentClient:
                     # A reply to no request (`id: null`): the agent refused the
                     # connection (busy) or the stream (a bad frame). It closes next;
                     # everyone waiting gets it.
-                    error = frame.get("error") or {}
-                    raise AgentError(error.get("code", "failed"), error.get("message", ""))
+                    raise protocol.error_of(frame)
                 if not future.done():
                     future.set_result(frame)
         except BaseException as e:  # handed to every waiter, cancellation at close included
@@ -141,11 +130,7 @@ class AgentClient:
         finally:
             self._pending.pop(rid, None)
             self._progress.pop(rid, None)
-        if reply.get("ok"):
-            result = reply.get("result")
-            return result if isinstance(result, dict) else {}
-        error = reply.get("error") or {}
-        raise AgentError(error.get("code", "failed"), error.get("message", "no message"))
+        return protocol.result_of(reply)
 
     # -- the ops, typed -------------------------------------------------------------------
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import socket
 import struct
 from typing import Any
 
@@ -86,16 +87,48 @@ async def read_frame(
     try:
         async with asyncio.timeout(frame_timeout):
             header = first + await reader.readexactly(_HEADER.size - 1)
-            (length,) = _HEADER.unpack(header)
-            if length > limit:
-                raise FrameError("too_large", f"frame of {length} bytes exceeds {limit}")
-            body = await reader.readexactly(length)
+            body = await reader.readexactly(_length(header, limit))
     except TimeoutError:
         raise FrameError(
             "timeout", f"frame not complete within {frame_timeout:g} s of its first byte"
         ) from None
     except asyncio.IncompleteReadError:
         raise FrameError("bad_request", "connection closed inside a frame") from None
+    return _decode(body)
+
+
+def recv_frame(sock: socket.socket, limit: int) -> dict[str, Any] | None:
+    """`read_frame` on a blocking socket, for a caller with no event loop: the next
+    frame's object, or None at a clean end of stream. The socket's own timeout bounds
+    each wait (`TimeoutError`)."""
+    header = _recv_exactly(sock, _HEADER.size, at_start=True)
+    if header is None:
+        return None
+    body = _recv_exactly(sock, _length(header, limit), at_start=False)
+    assert body is not None
+    return _decode(body)
+
+
+def _recv_exactly(sock: socket.socket, n: int, at_start: bool) -> bytes | None:
+    data = bytearray()
+    while len(data) < n:
+        chunk = sock.recv(n - len(data))
+        if not chunk:
+            if at_start and not data:
+                return None
+            raise FrameError("bad_request", "connection closed inside a frame")
+        data += chunk
+    return bytes(data)
+
+
+def _length(header: bytes, limit: int) -> int:
+    (length,) = _HEADER.unpack(header)
+    if length > limit:
+        raise FrameError("too_large", f"frame of {length} bytes exceeds {limit}")
+    return int(length)
+
+
+def _decode(body: bytes) -> dict[str, Any]:
     try:
         obj = json.loads(body.decode())
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -103,3 +136,23 @@ async def read_frame(
     if not isinstance(obj, dict):
         raise FrameError("bad_request", "frame must hold a JSON object")
     return obj
+
+
+def result_of(reply: dict[str, Any]) -> dict[str, Any]:
+    """A reply's `result`, or its error raised as `AgentError` with the agent's code."""
+    if reply.get("ok"):
+        result = reply.get("result")
+        return result if isinstance(result, dict) else {}
+    raise error_of(reply)
+
+
+def error_of(reply: dict[str, Any]) -> AgentError:
+    """The `AgentError` an error reply carries. A code this side does not know (a newer
+    agent's) reads as `failed`."""
+    error = reply.get("error")
+    error = error if isinstance(error, dict) else {}
+    code = error.get("code")
+    return AgentError(
+        code if isinstance(code, str) and code in CODES else "failed",
+        str(error.get("message") or "no message"),
+    )

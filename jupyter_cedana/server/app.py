@@ -16,7 +16,7 @@ from traitlets import Bool, Unicode
 from ..checkpoint.engine import CheckpointEngine
 from .gate import KERNEL_ACTIONS, MessageGate
 from .handlers import handlers
-from .kernel.checkpoint_agent import agent_for
+from .kernel.checkpoint_agent import agent_for, use_agent
 from .manager import EVENT_SCHEMA_FILE, SuspendManager
 from .parking import KernelParking
 from .policy import SuspendPolicy
@@ -71,7 +71,7 @@ class CedanaApp(ExtensionApp):
         engine = CheckpointEngine.instance(parent=self.serverapp)
         if self.checkpoint_root:
             engine.checkpoint_root = self.checkpoint_root
-        agent = agent_for(self.serverapp)
+        agent = use_agent(self.serverapp)
         if agent is not None:
             self.log.info(
                 "jupyter-cedana: kernels run under the checkpoint agent at %s", agent.socket
@@ -209,3 +209,6 @@ class CedanaApp(ExtensionApp):
             with contextlib.suppress(Exception):
                 await self._warm_up
         await self.manager.engine.close()
+        agent = agent_for(self.serverapp)
+        if agent is not None:  # a probe of it in flight would outlive the server's loop
+            await agent.close()

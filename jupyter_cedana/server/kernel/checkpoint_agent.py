@@ -4,18 +4,24 @@ agent, the one privileged process; the server runs no CRIU and holds no capabili
 
 A kernel launched there is the agent's child, not the server's: the provisioner holds an
 `AgentKernel`, shaped like the `Popen` of a local kernel (pid, poll, wait, returncode),
-plus the agent's ops on that kernel. One connection to the agent serves every kernel of
-the server; it is opened again after the agent restarts (the agent keeps its kernels).
+plus the agent's ops on that kernel.
+
+Each request goes on a connection of its own, opened for it and closed once it is
+answered (a local connect costs about half a millisecond). Nothing of a connection
+outlives its request, so no event loop is left holding a socket or a reading task when it
+closes: the server's, or one of the many that jupyter_client's blocking managers and test
+harnesses make and close. An agent restarted meanwhile (it keeps its kernels) is simply
+reached by the next request.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
+import math
 import os
 import socket
-import struct
+import subprocess
 import time
 import weakref
 from collections.abc import Awaitable, Callable
@@ -43,9 +49,14 @@ T = TypeVar("T")
 # What the agent's codes mean to a REST client (errors.py); `failed` is the caller's.
 _STATUS = {"not_found": NotFound, "conflict": Conflict, "busy": Conflict}
 
+#: Seconds `hello` may take before the agent is said not to answer.
+PROBE_TIMEOUT = 2.0
+#: Seconds one `wait` request of `AgentKernel.wait` asks for (the agent caps it too).
+_WAIT_STEP = 60.0
+
 
 class CheckpointAgent(SingletonConfigurable):
-    """Where the server finds the checkpoint agent, and its one connection to it."""
+    """Where the server finds the checkpoint agent, and how it asks it."""
 
     socket = Unicode(
         "",
@@ -62,19 +73,24 @@ class CheckpointAgent(SingletonConfigurable):
         "the sidebar before it is asked again.",
     ).tag(config=True)
 
+    #: Requests one event loop has at the agent at once, each on a connection of its own;
+    #: more wait for one to end. Half the agent's share of a uid (its
+    #: --max-connections-per-uid, 16), so that the user's CLI or a second server still
+    #: get in, and a burst (every kernel shut down at once) is never answered `busy`.
+    connections = 8
+
     def __init__(self, **kwargs: Any):
         super().__init__(**kwargs)
-        # A connection belongs to the event loop that opened it: one per loop (a server
-        # has one; jupyter_client's blocking managers and test harnesses run others), and
-        # none inherited across a fork.
-        self._clients: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, AgentClient] = (
+        # Loop-bound, so one per event loop; none inherited across a fork.
+        self._slots: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Semaphore] = (
             weakref.WeakKeyDictionary()
         )
-        self._locks: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Lock] = (
-            weakref.WeakKeyDictionary()
-        )
+        self._refreshing: weakref.WeakKeyDictionary[
+            asyncio.AbstractEventLoop, asyncio.Task[EngineInfo]
+        ] = weakref.WeakKeyDictionary()
         self._pid = os.getpid()
         self._probed: tuple[float, EngineInfo] | None = None
+        self._stopped = False
 
     @property
     def enabled(self) -> bool:
@@ -83,57 +99,88 @@ class CheckpointAgent(SingletonConfigurable):
     # -- reachability ---------------------------------------------------------------------
 
     def probe(self) -> EngineInfo:
-        """Whether the agent answers and checkpoints (`hello` lists `dump`), as the engine
-        says of a local CRIU; cached for `probe_ttl`. Blocking, but short: the agent
-        answers `hello` without work, and a missing socket fails at once."""
-        now = time.monotonic()
-        if self._probed is not None and now - self._probed[0] < self.probe_ttl:
-            return self._probed[1]
+        """Whether the agent answers and checkpoints (`hello` lists `dump` and `restore`),
+        as the engine says of a local CRIU; an answer is trusted for `probe_ttl`.
+
+        Never waits for the agent on a running event loop (the sidebar polls /status): an
+        answer older than `probe_ttl` is given once more while `refresh()` asks again in
+        the background. Only with no loop running in this thread (the server's start-up)
+        is the agent asked in place; before any answer, a loop is told it has none yet.
+        """
+        probed = self._probed
+        if probed is not None and time.monotonic() - probed[0] < self.probe_ttl:
+            return probed[1]
         try:
-            hello = _hello(self.socket, timeout=2.0)
-            ops = hello.get("ops") or []
-            reason = None if "dump" in ops and "restore" in ops else "it does not checkpoint"
-        except (OSError, ValueError, AgentError) as e:
-            reason = f"no checkpoint agent answers at {self.socket}: {e}"
-        info = EngineInfo(reason is None, reason and _unavailable(reason), None, None, True)
-        self._probed = (now, info)
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            try:
+                hello = _ask(self.socket, "hello", {}, PROBE_TIMEOUT)
+            except (OSError, AgentError) as e:
+                return self._remember(self._no_answer(e))
+            return self._remember(_ops_reason(hello))
+        if not self._stopped:
+            task = self._refreshing.get(loop)
+            if task is None or task.done():
+                self._refreshing[loop] = loop.create_task(self.refresh())
+        if probed is not None:
+            return probed[1]
+        return _info(f"the checkpoint agent at {self.socket} has not answered yet")
+
+    async def refresh(self) -> EngineInfo:
+        """Ask the agent now, without blocking the event loop, and remember its answer."""
+        try:
+            async with asyncio.timeout(PROBE_TIMEOUT):
+                hello = await self.call(lambda c: c.hello())
+        except EngineUnavailable:
+            assert self._probed is not None  # call() remembered why: trusted from now
+            self._probed = (time.monotonic(), self._probed[1])
+            return self._probed[1]
+        except (TimeoutError, AgentError) as e:
+            return self._remember(self._no_answer(e))
+        return self._remember(_ops_reason(hello))
+
+    def _no_answer(self, e: BaseException) -> str:
+        what = str(e) or f"no answer within {PROBE_TIMEOUT:g} s"
+        return f"no checkpoint agent answers at {self.socket}: {what}"
+
+    def _remember(self, reason: str | None, at: float | None = None) -> EngineInfo:
+        info = _info(reason)
+        self._probed = (time.monotonic() if at is None else at, info)
         return info
 
-    async def client(self) -> AgentClient:
-        if self._pid != os.getpid():
-            self._clients.clear()
-            self._locks.clear()
-            self._pid = os.getpid()
-        for old in [lp for lp in self._clients if lp.is_closed()]:
-            # A loop gone (a test's, a thread's): its connection would hold the agent's
-            # count of this user's connections for nothing.
-            self._clients.pop(old).abandon()
-            self._locks.pop(old, None)
-        loop = asyncio.get_running_loop()
-        lock = self._locks.setdefault(loop, asyncio.Lock())
-        async with lock:
-            client = self._clients.get(loop)
-            if client is None or client.closed:
-                try:
-                    client = self._clients[loop] = await AgentClient.connect(self.socket)
-                except OSError as e:
-                    self._probed = None
-                    raise EngineUnavailable(
-                        _unavailable(f"no checkpoint agent answers at {self.socket}: {e}")
-                    ) from e
-            return client
+    def unreachable(self, why: str, e: BaseException) -> EngineUnavailable:
+        """A request found no agent: probe() says so at once, and asks again when next
+        called (the agent may be back by then, it restarts in a second)."""
+        info = self._remember(f"{why}: {e}", at=-math.inf)
+        assert info.reason is not None
+        return EngineUnavailable(info.reason)
+
+    # -- requests -------------------------------------------------------------------------
 
     async def call(self, request: Callable[[AgentClient], Awaitable[T]]) -> T:
-        """One request. A connection found closed is opened again first; a request is
-        never sent twice (a dump cut off may have happened)."""
-        client = await self.client()
-        try:
-            return await request(client)
-        except (ConnectionError, OSError) as e:
-            self._probed = None
-            raise EngineUnavailable(
-                _unavailable(f"the checkpoint agent at {self.socket} went away: {e}")
-            ) from e
+        """One request, on a connection of its own. A request is never sent twice (a
+        dump cut off may have happened)."""
+        async with self._slots_here():
+            try:
+                client = await AgentClient.connect(self.socket)
+            except OSError as e:
+                raise self.unreachable(f"no checkpoint agent answers at {self.socket}", e) from e
+            try:
+                async with client:
+                    return await request(client)
+            except (ConnectionError, OSError) as e:
+                raise self.unreachable(f"the checkpoint agent at {self.socket} went away", e) from e
+
+    def _slots_here(self) -> asyncio.Semaphore:
+        if self._pid != os.getpid():
+            self._slots.clear()
+            self._refreshing.clear()
+            self._pid = os.getpid()
+        loop = asyncio.get_running_loop()
+        slots = self._slots.get(loop)
+        if slots is None:
+            slots = self._slots[loop] = asyncio.Semaphore(self.connections)
+        return slots
 
     async def find(self, kernel_id: str) -> dict[str, Any] | None:
         """What the agent holds of this uid's kernel: its `list` entry (`state`, `pid`,
@@ -152,10 +199,14 @@ class CheckpointAgent(SingletonConfigurable):
         return out
 
     async def close(self) -> None:
-        """Close this event loop's connection, if any."""
-        client = self._clients.pop(asyncio.get_running_loop(), None)
-        if client is not None:
-            await client.close()
+        """The server stops: nothing more is asked in the background, and a probe in
+        flight on this loop is ended. Requests still work (the kernels are shut down
+        after this), each on its own connection as ever."""
+        self._stopped = True
+        task = self._refreshing.pop(asyncio.get_running_loop(), None)
+        if task is not None:
+            task.cancel()
+            await asyncio.wait({task})
 
     def kernel(self, kernel_id: str) -> AgentKernel:
         return AgentKernel(self, kernel_id)
@@ -165,33 +216,37 @@ def _unavailable(why: str) -> str:
     return f"Checkpointing is unavailable: {why}"
 
 
-def _hello(path: str, timeout: float) -> dict[str, Any]:
+def _info(reason: str | None) -> EngineInfo:
+    return EngineInfo(reason is None, reason and _unavailable(reason), None, None, True)
+
+
+def _ops_reason(hello: dict[str, Any]) -> str | None:
+    ops = hello.get("ops") or []
+    return None if "dump" in ops and "restore" in ops else "it does not checkpoint"
+
+
+def _ask(path: str, op: str, args: dict[str, Any], timeout: float) -> dict[str, Any]:
+    """One request on a blocking connection of its own, for a caller with no event loop
+    to wait on; `timeout` bounds the connect and each read."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
         s.settimeout(timeout)
         s.connect(path)
-        s.sendall(protocol.encode({"v": protocol.VERSION, "id": 1, "op": "hello"}, 4096))
-        header = _read_exact(s, 4)
-        (size,) = struct.unpack(">I", header)
-        if size > protocol.MAX_RESPONSE:
-            raise ValueError(f"a reply of {size} bytes")
-        reply = json.loads(_read_exact(s, size))
-    if not isinstance(reply, dict):
-        raise ValueError("a reply that is not an object")
-    if not reply.get("ok"):
-        error = reply.get("error") or {}
-        raise AgentError(error.get("code", "failed"), error.get("message", ""))
-    result = reply.get("result")
-    return result if isinstance(result, dict) else {}
+        request = {"v": protocol.VERSION, "id": 1, "op": op, "args": args}
+        s.sendall(protocol.encode(request, protocol.MAX_REQUEST))
+        while True:
+            frame = protocol.recv_frame(s, protocol.MAX_RESPONSE)
+            if frame is None:
+                raise ConnectionResetError("the agent closed the connection")
+            if "progress" not in frame:
+                return protocol.result_of(frame)
 
 
-def _read_exact(s: socket.socket, n: int) -> bytes:
-    data = b""
-    while len(data) < n:
-        chunk = s.recv(n - len(data))
-        if not chunk:
-            raise ConnectionResetError("the agent closed the connection")
-        data += chunk
-    return data
+def _exit_status(reply: dict[str, Any]) -> int | None:
+    """A `poll` or `wait` reply's exit status: None while the kernel has not exited."""
+    code = reply.get("returncode")
+    if isinstance(code, int):
+        return code
+    return EXIT_UNKNOWN if reply.get("state") == "exited" else None
 
 
 class AgentKernel:
@@ -214,7 +269,32 @@ class AgentKernel:
     def poll(self) -> int | None:
         return self.returncode
 
-    def wait(self, timeout: float | None = None) -> int | None:
+    def wait(self, timeout: float | None = None) -> int:
+        """As `Popen.wait`: the exit status, once the kernel has exited, waited for up to
+        `timeout` seconds (None: for ever), else `subprocess.TimeoutExpired`. It blocks,
+        as Popen's does, asking the agent on a blocking connection of its own; the
+        provisioner, as jupyter_client's LocalProvisioner, calls it only once poll() has
+        seen the exit, so it returns at once there."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.returncode is None:
+            step = _WAIT_STEP if deadline is None else deadline - time.monotonic()
+            if step <= 0:
+                assert timeout is not None
+                raise subprocess.TimeoutExpired(f"kernel {self.kernel_id} at the agent", timeout)
+            step = min(step, _WAIT_STEP)
+            args = {"kernel_id": self.kernel_id, "timeout": step}
+            try:
+                # The socket's timeout: the agent's wait, and the time to answer it.
+                reply = _ask(self.agent.socket, "wait", args, step + PROBE_TIMEOUT)
+            except AgentError as e:
+                if e.code != "not_found":
+                    raise _as_cedana(e, "wait for") from e
+                self.returncode = EXIT_UNKNOWN  # the agent no longer knows it: it is gone
+            except OSError as e:
+                why = f"no checkpoint agent answers at {self.agent.socket}"
+                raise self.agent.unreachable(why, e) from e
+            else:
+                self.returncode = _exit_status(reply)
         return self.returncode
 
     async def refresh(self) -> int | None:
@@ -236,11 +316,7 @@ class AgentKernel:
             self.has_image = True
             self.pid = 0
             return None
-        code = status.get("returncode")
-        if isinstance(code, int):
-            self.returncode = code
-        elif status.get("state") == "exited":
-            self.returncode = EXIT_UNKNOWN
+        self.returncode = _exit_status(status)
         return self.returncode
 
     # -- the agent's ops ------------------------------------------------------------------
@@ -319,10 +395,16 @@ def _as_cedana(e: AgentError, what: str, failed: type[CedanaError] = CedanaError
 
 
 def agent_for(parent: Any) -> CheckpointAgent | None:
-    """The configured agent (None: the server checkpoints its kernels itself); the
-    engine's availability is then the agent's."""
+    """The configured agent; None: the server checkpoints its kernels itself."""
     agent = CheckpointAgent.instance(parent=parent)
-    if not agent.enabled:
-        return None
-    CheckpointEngine.instance(parent=parent).probe_through = agent.probe
+    return agent if agent.enabled else None
+
+
+def use_agent(parent: Any) -> CheckpointAgent | None:
+    """Once, as the extension starts: the configured agent (as `agent_for`), made the
+    engine's word on whether checkpointing is available, since this server runs no CRIU
+    of its own to probe."""
+    agent = agent_for(parent)
+    if agent is not None:
+        CheckpointEngine.instance(parent=parent).probe_through = agent.probe
     return agent
