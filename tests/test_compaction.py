@@ -44,6 +44,7 @@ async def suspended_chain(kernel, image: Path, deltas: int = 2) -> str:
         expected = await state_of(kc)
         await prov.suspend()
         if i == deltas:
+            await kept_and_indexed(image)  # saved after a delta's commit, in the background
             break
         await prov.resume()
         await prov.memory_loaded()

@@ -15,9 +15,13 @@ the new files and `held_bytes` equal to its own size.
 Named steps, each of which a kill may end (`compact`):
 - fold: into a store temporary (`.<id>.tmp-<pid>-<n>.locked`): a kill leaves a temporary
   whose lock is gone, which gc removes; the chain is untouched.
-- exchange (after `folded`): the folded image and the chain swap names at once.
-- removal (after `exchanged`): the chain, now at the temporary's name, is renamed to a
-  deletion name and deleted; a kill leaves either name, both gc's.
+- exchange (after `folded`): the folded image and the chain swap names at once, and the
+  chain, now at the temporary's name (unlocked: the lock is on the folded image's
+  directory), is renamed to a deletion name (`.<id>.del-<n>`); a kill leaves it at
+  either name, both gc's.
+- removal (after `exchanged`): the chain is deleted.
+
+`sweep` removes what a kill left, as gc would; the compactor runs it once per kernel.
 
 A `Job` is how a caller cancels: a resume sets `cancel` and waits for `settled`, which is
 set as soon as the compaction has stopped short of the exchange, or done it; the fold
@@ -67,7 +71,14 @@ from .integrity import (
     table_name,
     write_table,
 )
-from .store import MANIFEST, CheckpointStore, fsync_path, replace_json_durably
+from .store import (
+    LOCKED_SUFFIX,
+    MANIFEST,
+    CheckpointStore,
+    fsync_path,
+    replace_json_durably,
+    writer_gone,
+)
 
 HOLD_ENV = "JUPYTER_CEDANA_COMPACTION_HOLDS"
 STEPS = ("folding", "folded", "exchanged")
@@ -132,6 +143,25 @@ def chain_of(store: CheckpointStore, kernel_id: str) -> Chain | None:
             int(m.get("size", 0)) for n, m in manifest.get("files", {}).items() if is_page_file(n)
         )
     return Chain(len(layers), held, memory)
+
+
+def sweep(store: CheckpointStore, kernel_id: str) -> list[str]:
+    """Remove what a compaction (or a dump) of the kernel killed mid-way left: its
+    temporaries whose writer's lock is gone (a folded image not exchanged, or a chain
+    exchanged and not deleted) and deletions left half done. Returns their names.
+    Anything a live writer holds is left alone."""
+    removed = []
+    with contextlib.suppress(FileNotFoundError):
+        for entry in os.scandir(store.root):
+            name = entry.name
+            if not name.startswith(f".{kernel_id}.") or not entry.is_dir(follow_symlinks=False):
+                continue
+            rest = name[len(kernel_id) + 2 :]
+            dead = rest.startswith("tmp-") and name.endswith(LOCKED_SUFFIX)
+            if (dead and writer_gone(Path(entry.path))) or rest.startswith("del-"):
+                shutil.rmtree(entry.path, ignore_errors=True)
+                removed.append(name)
+    return removed
 
 
 def hold(step: str, job: Job | None) -> None:

@@ -12,7 +12,7 @@ from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from traitlets import Integer
+from traitlets import Float, Integer
 from traitlets.config import LoggingConfigurable
 
 from ..checkpoint.proctree import process_tree
@@ -45,6 +45,22 @@ class SuspendLimits(LoggingConfigurable):
         "estimated size (the kernel's resident memory and its GPU memory) and after the "
         "dumps already under way; a suspend that would leave less is refused before it "
         "starts, and the kernel keeps running.",
+    ).tag(config=True)
+
+    compact_chain_ratio = Float(
+        1.1,
+        help="A suspended kernel's chain of incremental images (CheckpointEngine.keep_base: "
+        "a whole image and the deltas on it) that holds more than this many times the "
+        "memory it restores is compacted in the background into one whole image, which "
+        "takes the chain's place (docs/incremental.md). Below 1.2, where the next suspend "
+        "would write a whole image itself, while the kernel is frozen. 0: never by size.",
+    ).tag(config=True)
+
+    compact_chain_deltas = Integer(
+        8,
+        help="A suspended kernel's chain with more deltas than this is compacted in the "
+        "background too, whatever it holds: each delta is one more layer for its resume to "
+        "read through. 0: no limit by count.",
     ).tag(config=True)
 
 
@@ -358,6 +374,26 @@ class Budget:
             )
         self._reserved[kernel_id] = estimate
 
+    def reserve_compaction(self, kernel_id: str, nbytes: int) -> bool:
+        """Room on the checkpoint disk for the whole image a compaction folds a chain
+        into (server/kernel/compactor.py): disk and chain are both held until the
+        exchange, so it is reserved like a dump (the dumps of other kernels see it), but
+        never by dropping kept bases: a compaction waits for room instead. Whether it
+        was reserved; release_compaction() ends it."""
+        key = _COMPACTION + kernel_id
+        if key in self._reserved:
+            return False
+        pending = sum(
+            max(0, size - self._written.get(kid, 0)) for kid, size in self._reserved.items()
+        )
+        if self.free_bytes() - pending - nbytes < max(0, self._min_free()):
+            return False
+        self._reserved[key] = nbytes
+        return True
+
+    def release_compaction(self, kernel_id: str) -> None:
+        self.release(_COMPACTION + kernel_id)
+
     def _budget_fits(self, kernel_id: str, more: int) -> bool:
         owned, _ = self._split()
         used = sum(i.bytes for i in owned if i.kernel_id != kernel_id)
@@ -399,6 +435,10 @@ class Budget:
         st = os.statvfs(probe)
         return st.f_bavail * st.f_frsize
 
+
+#: Compactions are reserved under their own key: a kernel's compaction may still be
+#: deleting its temporary image while the kernel, resumed, is suspended again.
+_COMPACTION = "compaction:"
 
 #: How many images a refusal names.
 HOLDERS_SHOWN = 5

@@ -28,6 +28,7 @@ from . import metrics
 from .backoff import SuspendBackoff
 from .kernel.bases import drop_base, kept_bases
 from .kernel.checkpoint_agent import agent_for
+from .kernel.compactor import Compactor, compactor_for
 from .kernel.provisioner import CedanaProvisioner, KernelState
 from .kernel_events import EVENT_SCHEMA, EVENT_SCHEMA_FILE, KernelEvents
 from .kernel_facts import between_processes, kernel_facts, touch
@@ -146,6 +147,7 @@ class SuspendManager(LoggingConfigurable):
     def start(self) -> None:
         if self._loop_task is None:
             self.report_orphans()
+            self.compactor()  # configured before the first suspend asks for it
             self._loop_task = asyncio.ensure_future(self._run())
 
     def report_orphans(self) -> None:
@@ -162,6 +164,7 @@ class SuspendManager(LoggingConfigurable):
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._loop_task
             self._loop_task = None
+        await self.compactor().stop()  # short of the exchange: the chains stay
         self._cancel_queued(lambda kid: True)
         in_flight = list(self._tasks.values())
         if in_flight:
@@ -174,6 +177,15 @@ class SuspendManager(LoggingConfigurable):
             except Exception:
                 self.log.exception("cedana policy check failed")
             await asyncio.sleep(max(0.2, self.policy.check_interval))
+
+    def compactor(self) -> Compactor:
+        """The checkpoint root's compactor of chains, with this server's limits."""
+        found = compactor_for(self.engine.store)
+        found.ratio = self.limits.compact_chain_ratio
+        found.max_deltas = self.limits.compact_chain_deltas
+        found.reserve = self.budget.reserve_compaction
+        found.release = self.budget.release_compaction
+        return found
 
     # -- lookups --------------------------------------------------------------------------
 
@@ -422,6 +434,7 @@ class SuspendManager(LoggingConfigurable):
         self.backoff.forget_except(set(ids))
         self._cancel_queued(lambda kid: kid not in ids)
         self._sample_gpus(ids)
+        compactor = self.compactor()
         suspended = 0
         freed = 0
         for kid in ids:
@@ -431,6 +444,7 @@ class SuspendManager(LoggingConfigurable):
                 continue
             prov = self.provisioner_of(kernel)
             if prov is not None and prov.state == KernelState.suspended:
+                compactor.schedule(prov)  # its chain folded in the background, if due
                 suspended += 1
                 freed += prov.gpu_memory_freed
                 metrics.GPU_SECONDS_RECLAIMED.inc(self._gpus_before_suspend.get(kid, 0) * elapsed)

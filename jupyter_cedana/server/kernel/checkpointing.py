@@ -35,6 +35,7 @@ from ...errors import (
     SuspendFailed,
 )
 from ...gpu.cuda import CudaStateLeft
+from .compactor import compactor_for
 from .ports import kernel_ports
 from .restoring import Restoring
 from .transitions import KernelState
@@ -352,6 +353,8 @@ class Checkpointing(Restoring):
         self.checkpoint_bytes = int(manifest.get("held_bytes") or manifest["total_bytes"])
         self.gpu_memory_freed = int((gpu_state or {}).get("bytes_freed", 0))
         self.machine.set_state(KernelState.suspended)
+        if dumped.delta is not None:  # a longer chain: compacted in the background if due
+            compactor_for(store).schedule(self)
         self.log.info(
             "Suspended kernel %s: %.1f MB in %.2f s",
             kid,

@@ -32,6 +32,7 @@ from ...errors import CedanaError, CheckpointCorrupt, Conflict, InsufficientGpuM
 from ...gpu.cuda import CudaStateLeft
 from ...timestamps import iso
 from .checkpoint_agent import AgentKernel
+from .compactor import compactor_for
 from .gpu_steps import GpuSteps
 from .ports import PortHold
 from .record import RecordHolder
@@ -170,6 +171,9 @@ class Restoring(GpuSteps):
         self.machine.set_state(KernelState.resuming)
         t0 = time.monotonic()
         self.last_memory_in_at = None
+        # A compaction of the chain (compactor.py) stops short of its exchange or ends
+        # it first: CRIU must never read a chain that is being replaced. Milliseconds.
+        await compactor_for(store).cancel(kid)
         try:
             manifest = store.check_sizes(kid)
             check_free(manifest.get("task_ids"))
