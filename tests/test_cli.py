@@ -6,23 +6,28 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import secrets
 import shutil
 import signal
 import socket
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 import uuid
 import zlib
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import pytest
+
+from tests.userserver import (
+    SERVER_DIRS,
+    JupyterServer,
+    free_port,
+    jupyter_env,
+    launch,
+    stop_server,
+    wait_answering,
+)
 
 pytestmark = pytest.mark.criu
 
@@ -30,57 +35,14 @@ BIN = Path(sys.executable).parent
 JUPYTER = str(BIN / "jupyter")
 
 
-# -- a real server --------------------------------------------------------------------------
+# -- a real server (tests/userserver.py) -------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@dataclass
-class Server:
-    proc: subprocess.Popen[bytes]
-    url: str
-    token: str
-    env: dict[str, str]
-    runtime_dir: Path
-    checkpoint_root: Path
-    log: Path
-    kernels: list[str] = field(default_factory=list)
-
-    def api(self, method: str, path: str, body: Any = None) -> tuple[int, Any]:
-        data = json.dumps(body).encode() if body is not None else None
-        if method == "POST" and data is None:
-            data = b"{}"
-        req = urllib.request.Request(
-            self.url + path,
-            data=data,
-            method=method,
-            headers={"Authorization": f"token {self.token}"},
-        )
-        try:
-            with urllib.request.urlopen(req, timeout=120) as r:
-                raw = r.read()
-                return r.status, json.loads(raw) if raw else None
-        except urllib.error.HTTPError as e:
-            raw = e.read()
-            return e.code, json.loads(raw) if raw else None
-
-    def start_kernel(self) -> str:
-        status, k = self.api("POST", "api/kernels", {"name": "python3"})
-        assert status == 201, (status, k)
-        self.kernels.append(k["id"])
-        return str(k["id"])
-
-    def kernel(self, kid: str) -> dict[str, Any]:
-        status, k = self.api("GET", f"api/cedana/kernels/{kid}")
-        assert status == 200, (status, k)
-        return dict(k)
+class Server(JupyterServer):
+    """A server of root's, from this virtualenv."""
 
     def server_log(self) -> str:
-        return self.log.read_text(errors="replace")[-6000:]
+        return self.log_tail()
 
 
 @contextlib.contextmanager
@@ -106,72 +68,33 @@ def start_server(
     sigint_ignored: bool = False,
 ) -> Server:
     """A `jupyter server` subprocess with stdin not a terminal, as under a spawner."""
-    runtime, root = base / "runtime", base / "root"
-    ckpt = checkpoint_root or base / "checkpoints"
-    for d in (runtime, root, base / "config", base / "data"):
-        d.mkdir(parents=True, exist_ok=True)
-    token = secrets.token_hex(16)
-    port = free_port()
+    dirs = {name: base / name for name in SERVER_DIRS}
+    dirs["checkpoints"] = checkpoint_root or dirs["checkpoints"]
+    for name in ("runtime", "root", "config", "data"):
+        dirs[name].mkdir(parents=True, exist_ok=True)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("JUPYTER_", "JPY_"))}
-    env.update(
-        JUPYTER_RUNTIME_DIR=str(runtime),
-        JUPYTER_CONFIG_DIR=str(base / "config"),
-        JUPYTER_DATA_DIR=str(base / "data"),
-        PATH=f"{BIN}{os.pathsep}{env.get('PATH', '')}",
-    )
+    env.update(jupyter_env(dirs), PATH=f"{BIN}{os.pathsep}{env.get('PATH', '')}")
     env.update(extra_env or {})
-    log = base / "server.log"
-    cmd = [
-        JUPYTER,
-        "server",
-        "--allow-root",
-        "--ip=127.0.0.1",
-        f"--port={port}",
-        "--ServerApp.port_retries=0",
-        f"--IdentityProvider.token={token}",
-        "--ServerApp.open_browser=False",
-        f"--ServerApp.root_dir={root}",
-        f"--CedanaApp.checkpoint_root={ckpt}",
-        # No automatic suspend: the tests decide when kernels are suspended.
-        "--SuspendPolicy.idle_timeout=0",
-        *extra_args,
-    ]
-    with children_sigint(ignored=sigint_ignored), open(log, "wb") as out:
-        proc = subprocess.Popen(
-            cmd, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=root
+    with children_sigint(ignored=sigint_ignored):
+        server = launch(
+            Server,
+            JUPYTER,
+            dirs,
+            "--allow-root",
+            # No automatic suspend: the tests decide when kernels are suspended.
+            "--SuspendPolicy.idle_timeout=0",
+            *extra_args,
+            env=env,
+            log=base / "server.log",
         )
-    server = Server(proc, f"http://127.0.0.1:{port}/", token, env, runtime, ckpt, log)
     return wait_ready(server) if wait else server
 
 
 def wait_ready(server: Server, timeout: float = 90) -> Server:
-    proc, log = server.proc, server.log
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"jupyter server exited with {proc.returncode}:\n{log.read_text()}")
-        if list(server.runtime_dir.glob("jpserver-*.json")):
-            with contextlib.suppress(OSError):
-                if server.api("GET", "api/cedana/status")[0] == 200:
-                    return server
-        time.sleep(0.2)
-    proc.kill()
-    raise RuntimeError(f"jupyter server did not start:\n{log.read_text()}")
-
-
-def stop_server(server: Server) -> None:
-    if server.proc.poll() is None:
-        with contextlib.suppress(OSError):
-            server.api("POST", "api/shutdown")
-        try:
-            server.proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            server.proc.send_signal(signal.SIGINT)
-            try:
-                server.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                server.proc.kill()
-                server.proc.wait()
+    """Until it answers, and has written the runtime file by which `jupyter cedana` finds it."""
+    return wait_answering(
+        server, timeout, ready=lambda: bool(list(server.runtime_dir.glob("jpserver-*.json")))
+    )
 
 
 @pytest.fixture(scope="module")
@@ -237,6 +160,14 @@ def plant_image(root: Path, kid: str, payload: bytes = b"x" * 4096) -> Path:
     return d
 
 
+def wait_state(server: Server, kid: str, state: str, timeout: float = 60) -> None:
+    """Until the kernel is in `state` (after a --no-wait command)."""
+    deadline = time.monotonic() + timeout
+    while server.kernel(kid)["state"] != state:
+        assert time.monotonic() < deadline, server.kernel(kid)
+        time.sleep(0.1)
+
+
 # -- list, status ---------------------------------------------------------------------------
 
 
@@ -291,19 +222,13 @@ def test_suspend_json_and_no_wait(server: Server, kernel: str) -> None:
     assert view["id"] == kernel and view["state"] == "suspended" and view["tier"] == "disk"
     out = cedana(server, "resume", kernel, "--no-wait").stdout
     assert kernel in out
-    deadline = time.monotonic() + 60
-    while server.kernel(kernel)["state"] != "running":
-        assert time.monotonic() < deadline, server.kernel(kernel)
-        time.sleep(0.1)
+    wait_state(server, kernel, "running")
 
 
 def test_suspend_no_wait_and_tier(server: Server, kernel: str) -> None:
     out = cedana(server, "suspend", kernel, "--no-wait").stdout
     assert kernel in out
-    deadline = time.monotonic() + 60
-    while server.kernel(kernel)["state"] != "suspended":
-        assert time.monotonic() < deadline, server.kernel(kernel)
-        time.sleep(0.1)
+    wait_state(server, kernel, "suspended")
     assert "suspended/disk" in row_of(cedana(server, "list").stdout, kernel)
     cedana(server, "resume", kernel)
 

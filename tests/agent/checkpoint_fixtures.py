@@ -3,17 +3,15 @@ of root's (`<state>/checkpoint.json`), and kernels of such agents closed after t
 
 from __future__ import annotations
 
-import json
+import functools
 import os
-import signal
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from .conftest import LIMITS, Agent, start_agent, wait_listening
+from .conftest import Agent, ended_after, run_agent, stop_agent, write_checkpoint_config
 
 CAP_SYS_RESOURCE = 24
 
@@ -27,51 +25,22 @@ def root_lacks_sys_resource() -> bool:
 
 
 def agent_with(base: Path, config: dict[str, Any], env: dict[str, str] | None = None) -> Agent:
-    state = base / "state"
-    state.mkdir(mode=0o700, exist_ok=True)
-    (state / "checkpoint.json").write_text(json.dumps(config))
-    os.chmod(state / "checkpoint.json", 0o600)
-    extra = [
-        arg
-        for k, v in LIMITS.items()
-        for arg in (f"--{k}", str(v if k.endswith("timeout") else int(v)))
-    ]
+    write_checkpoint_config(base / "state", config)
     old = dict(os.environ)
     try:
         if env is not None:
             os.environ.update(env)
-        proc = start_agent(base, *extra)
+        return run_agent(base)
     finally:
         os.environ.clear()
         os.environ.update(old)
-    wait_listening(proc)
-    return Agent(proc, base, base / "run" / "agent.sock", state, LIMITS)
-
-
-def stop(agent: Agent) -> str:
-    agent.proc.send_signal(signal.SIGTERM)
-    try:
-        agent.proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        agent.proc.kill()
-        agent.proc.wait()
-    assert agent.proc.stderr is not None
-    return agent.proc.stderr.read()
 
 
 @pytest.fixture
 def configured_agent(agent_base: Path) -> Iterator[Any]:
     """A factory: configured_agent(config, env=None) -> a running agent."""
-    started: list[Agent] = []
-
-    def make(config: dict[str, Any], env: dict[str, str] | None = None) -> Agent:
-        a = agent_with(agent_base, config, env)
-        started.append(a)
-        return a
-
-    yield make
-    for a in started:
-        stop(a)
+    with ended_after(functools.partial(agent_with, agent_base), stop_agent) as make:
+        yield make
 
 
 @pytest.fixture

@@ -1,5 +1,6 @@
-"""A real agent, started as root on a private socket and state directory, and clients
-that run as the test users (cedana-test, cedana-test2) through runuser."""
+"""A real agent, started as root on a private socket and state directory, clients that
+run as the test users (cedana-test, cedana-test2) through runuser, and the test users'
+jupyter servers on it (servers_on_agent.py)."""
 
 from __future__ import annotations
 
@@ -15,18 +16,26 @@ import struct
 import subprocess
 import sys
 import tempfile
+import threading
 import time
-from collections.abc import Iterator
+from collections import deque
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.userserver import NONROOT_BIN, cmdline, end_process
+
+from .servers_on_agent import UserServer, start_user_server, stop_user_server
+
 # A venv the test users can run (the root one may live where they cannot read).
-USER_PYTHON = str(REPO / ".venv-nonroot" / "bin" / "python")
+USER_PYTHON = str(NONROOT_BIN / "python")
 USERS = ("cedana-test", "cedana-test2")
+
+P = ParamSpec("P")
+T = TypeVar("T")
 
 
 def _users_ready() -> str | None:
@@ -132,6 +141,9 @@ def is_open(sock: socket.socket) -> bool:
     return sock.recv(1, socket.MSG_PEEK) != b""
 
 
+LIMITS = {"frame-timeout": 2.0, "idle-timeout": 20.0, "max-connections-per-uid": 4}
+
+
 def start_agent(
     base: Path, *extra: str, state_dir: Path | None = None, kernels_on_stop: str = "kill"
 ) -> subprocess.Popen[str]:
@@ -174,6 +186,31 @@ def wait_listening(proc: subprocess.Popen[str], timeout: float = 60) -> None:
     raise AssertionError(f"the agent did not start: {err}")
 
 
+def write_checkpoint_config(state: Path, config: dict[str, Any]) -> None:
+    """Root's checkpoint configuration of the agent: `<state>/checkpoint.json`, 0600."""
+    state.mkdir(mode=0o700, exist_ok=True)
+    (state / "checkpoint.json").write_text(json.dumps(config))
+    os.chmod(state / "checkpoint.json", 0o600)
+
+
+def run_agent(base: Path, *extra: str) -> Agent:
+    """An agent with the tests' LIMITS (and `extra` options) on `base`'s socket and state
+    directory, once it listens."""
+    limits = [
+        arg
+        for k, v in LIMITS.items()
+        for arg in (f"--{k}", str(v if k.endswith("timeout") else int(v)))
+    ]
+    proc = start_agent(base, *limits, *extra)
+    wait_listening(proc)
+    return Agent(proc, base, base / "run" / "agent.sock", base / "state", LIMITS)
+
+
+def stop_agent(agent: Agent, timeout: float = 30) -> None:
+    """SIGTERM (its kernels end with it: --kernels-on-stop kill), SIGKILL after `timeout`."""
+    end_process(agent.proc, signal.SIGTERM, timeout)
+
+
 @pytest.fixture
 def agent_base() -> Iterator[Path]:
     reason = _users_ready()
@@ -187,30 +224,70 @@ def agent_base() -> Iterator[Path]:
     shutil.rmtree(base, ignore_errors=True)
 
 
-LIMITS = {"frame-timeout": 2.0, "idle-timeout": 20.0, "max-connections-per-uid": 4}
+@pytest.fixture
+def agent(agent_base: Path) -> Iterator[Agent]:
+    running = run_agent(agent_base)
+    yield running
+    stop_agent(running)
+    with contextlib.suppress(Exception):
+        assert running.proc.stderr is not None
+        err = running.proc.stderr.read()
+        if "Traceback" in err:
+            print(err, file=sys.stderr)
 
 
 @pytest.fixture
-def agent(agent_base: Path) -> Iterator[Agent]:
-    extra = [
-        arg
-        for k, v in LIMITS.items()
-        for arg in (f"--{k}", str(v if k.endswith("timeout") else int(v)))
-    ]
-    proc = start_agent(agent_base, *extra)
-    wait_listening(proc)
-    running = Agent(
-        proc, agent_base, agent_base / "run" / "agent.sock", agent_base / "state", LIMITS
-    )
-    yield running
-    proc.send_signal(signal.SIGTERM)
+def live_agent(agent: Agent) -> Iterator[Agent]:
+    """The agent, its log read as it comes (a full stderr pipe would stall it) and its
+    tail printed after the test (pytest shows it when the test fails)."""
+    tail: deque[str] = deque(maxlen=150)
+    stream = agent.proc.stderr
+    assert stream is not None
+
+    def drain() -> None:
+        with contextlib.suppress(Exception):
+            for line in iter(stream.readline, ""):
+                tail.append(line)
+
+    threading.Thread(target=drain, daemon=True).start()
+    yield agent
+    print("---- agent log (last lines) ----\n" + "".join(tail))
+
+
+@contextlib.contextmanager
+def ended_after(make: Callable[P, T], end: Callable[[T], None]) -> Iterator[Callable[P, T]]:
+    """`make`, remembering what it made; each of those ended (`end`), in order, when the
+    block ends: a factory fixture's body."""
+    made: list[T] = []
+
+    def remembered(*args: P.args, **kwargs: P.kwargs) -> T:
+        made.append(make(*args, **kwargs))
+        return made[-1]
+
     try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-    with contextlib.suppress(Exception):
-        assert proc.stderr is not None
-        err = proc.stderr.read()
-        if "Traceback" in err:
-            print(err, file=sys.stderr)
+        yield remembered
+    finally:
+        for thing in made:
+            end(thing)
+
+
+@pytest.fixture
+def user_servers(agent_base: Path) -> Iterator[Callable[..., UserServer]]:
+    """start(user, socket=None): a server of `user` (servers_on_agent.py) on the agent's
+    socket (or `socket`); stopped after the test, their logs' tails printed."""
+
+    def start(user: str, agent_socket: Path | None = None) -> UserServer:
+        path = agent_socket or agent_base / "run" / "agent.sock"
+        return start_user_server(agent_base, user, path)
+
+    def stop(server: UserServer) -> None:
+        stop_user_server(server)
+        print(f"---- {server.user}'s server log (last lines) ----\n{server.log_tail()}")
+
+    with ended_after(start, stop) as started:
+        yield started
+    # Whatever a failed test left of the servers' kernels (their files are under the base).
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and str(agent_base) in cmdline(int(entry)):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(entry), signal.SIGKILL)

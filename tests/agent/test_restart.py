@@ -25,7 +25,7 @@ from jupyter_cedana.agent.records import RecordStore, start_time
 from tests.criu_hold import CriuHold
 
 from .checkpoint_fixtures import root_lacks_sys_resource
-from .conftest import LIMITS, USER_PYTHON, Agent, start_agent, wait_listening
+from .conftest import USER_PYTHON, Agent, run_agent, stop_agent, write_checkpoint_config
 from .test_launch import Kernel, kernel_argv
 
 ROOT = "root"
@@ -43,19 +43,9 @@ class Agents:
         self.loose_pids: list[int] = []  # inits no agent owns at the end of a test
 
     def start(self, *extra: str, config: dict[str, Any] | None = None) -> Agent:
-        state = self.base / "state"
         if config is not None:
-            state.mkdir(mode=0o700, exist_ok=True)
-            (state / "checkpoint.json").write_text(json.dumps(config))
-            os.chmod(state / "checkpoint.json", 0o600)
-        args = [
-            arg
-            for k, v in LIMITS.items()
-            for arg in (f"--{k}", str(v if k.endswith("timeout") else int(v)))
-        ]
-        proc = start_agent(self.base, *args, *extra)
-        wait_listening(proc)
-        agent = Agent(proc, self.base, self.base / "run" / "agent.sock", state, LIMITS)
+            write_checkpoint_config(self.base / "state", config)
+        agent = run_agent(self.base, *extra)
         self.started.append(agent)
         return agent
 
@@ -85,13 +75,7 @@ class Agents:
         for kernel in self.kernels:
             kernel.close()
         for agent in self.started:
-            if agent.proc.poll() is None:
-                agent.proc.send_signal(signal.SIGTERM)  # --kernels-on-stop kill
-                try:
-                    agent.proc.wait(timeout=60)
-                except subprocess.TimeoutExpired:
-                    agent.proc.kill()
-                    agent.proc.wait()
+            stop_agent(agent, timeout=60)
         for pid in self.loose_pids:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
@@ -223,14 +207,12 @@ def test_dumped_kernel_restores_after_sigkill(
     assert kernel.run("print(state[0] + 2)").strip() == "43"
 
 
-def test_sigkill_in_the_middle_of_a_dump(agents: Agents) -> None:
-    """The agent dies while CRIU has dumped the kernel and left it stopped, before the
-    image is committed: the next agent continues the kernel and drops the partial dump."""
-    hold = CriuHold(agents.base / "criu-hold", "/usr/local/sbin/criu")
-    agent = agents.start(config={"criu_path": str(hold.wrapper)})
-    kernel, init_pid = agents.launch(agent, ROOT)
-    kernel.run("state = [41]")
-    hold.arm("dump", "after")
+@contextlib.contextmanager
+def held_after_criu(hold: CriuHold, agent: Agent, op: str, args: dict[str, Any]) -> Iterator[None]:
+    """Root's `op` request, whose CRIU run (`op`: "dump" or "restore") is held once CRIU
+    has run, for as long as the block runs; the request is not waited for until then
+    (the block may kill its agent)."""
+    hold.arm(op, "after")
     client = subprocess.Popen(
         [
             sys.executable,
@@ -238,24 +220,35 @@ def test_sigkill_in_the_middle_of_a_dump(agents: Agents) -> None:
             "jupyter_cedana.agent.client",
             "--socket",
             str(agent.socket_path),
-            "dump",
-            json.dumps({"kernel_id": kernel.id}),
+            op,
+            json.dumps(args),
         ],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
     )
     try:
         deadline = time.monotonic() + 120
-        while not hold.reached("dump", "after"):
+        while not hold.reached(op, "after"):
             assert time.monotonic() < deadline and client.poll() is None, client.communicate()
             time.sleep(0.05)
+        yield
+    finally:
+        hold.release(op, "after")
+        client.wait(timeout=60)
+
+
+def test_sigkill_in_the_middle_of_a_dump(agents: Agents) -> None:
+    """The agent dies while CRIU has dumped the kernel and left it stopped, before the
+    image is committed: the next agent continues the kernel and drops the partial dump."""
+    hold = CriuHold(agents.base / "criu-hold", "/usr/local/sbin/criu")
+    agent = agents.start(config={"criu_path": str(hold.wrapper)})
+    kernel, init_pid = agents.launch(agent, ROOT)
+    kernel.run("state = [41]")
+    with held_after_criu(hold, agent, "dump", {"kernel_id": kernel.id}):
         record = agent.state_dir / "records" / "0" / f"{kernel.id}.json"
         assert json.loads(record.read_text())["state"] == "dumping"
         agents.kill(agent)
         agent = agents.start(config={"criu_path": str(hold.wrapper)})
-    finally:
-        hold.release("dump", "after")
-        client.wait(timeout=60)
     assert kernels_of(agent, ROOT)[kernel.id] == {
         "kernel_id": kernel.id,
         "state": "running",
@@ -283,34 +276,13 @@ def test_sigkill_in_the_middle_of_a_restore(agents: Agents) -> None:
     kernel, _ = agents.launch(agent, ROOT)
     kernel.run("state = [41]")
     assert agent.run_as(ROOT, "dump", {"kernel_id": kernel.id})["ok"]
-    hold.arm("restore", "after")
-    client = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "jupyter_cedana.agent.client",
-            "--socket",
-            str(agent.socket_path),
-            "restore",
-            json.dumps({"kernel_id": kernel.id, "lazy": False}),
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-    )
     work = str(agent.state_dir / "kernels" / "0" / kernel.id)
-    try:
-        deadline = time.monotonic() + 120
-        while not hold.reached("restore", "after"):
-            assert time.monotonic() < deadline and client.poll() is None, client.communicate()
-            time.sleep(0.05)
+    with held_after_criu(hold, agent, "restore", {"kernel_id": kernel.id, "lazy": False}):
         half = inits_in(work)
         assert len(half) == 1, half
         agents.kill(agent)
         agent = agents.start(config={"criu_path": str(hold.wrapper)})
         assert not alive(half[0])  # ended by the new agent before it listened
-    finally:
-        hold.release("restore", "after")
-        client.wait(timeout=60)
     assert kernels_of(agent, ROOT)[kernel.id]["state"] == "dumped"
     reply = agent.run_as(ROOT, "restore", {"kernel_id": kernel.id, "lazy": False})
     assert reply["ok"], reply

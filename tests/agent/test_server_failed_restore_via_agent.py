@@ -14,18 +14,7 @@ import pytest
 from tests.test_lazy import EXPECTED_SUM, FILL, flip_byte, lazy_page_in
 
 from .conftest import Agent
-from .test_server_via_agent import (  # the fixtures too
-    USER,
-    UserServer,
-    at_agent,
-    eventually,
-    kernel_tasks,
-    live_agent,
-    still_alive,
-    user_servers,
-)
-
-__all__ = ["live_agent", "user_servers"]  # fixtures, used by name
+from .servers_on_agent import USER, UserServer, at_agent, eventually, kernel_tasks, still_alive
 
 pytestmark = [pytest.mark.criu, pytest.mark.root]
 
@@ -49,8 +38,8 @@ def test_a_damaged_chunk_fails_the_resume_keeps_the_image_and_the_next_cell_resu
     # background transfer, whichever comes first, and the kernel is stopped.
     reply = server.run(kid, "print(x)")
     assert reply.status in ("ok", "error"), reply
-    assert eventually(lambda: server.view(kid)["state"] == "failed", 90), server.view(kid)
-    reason = server.view(kid)["reason"]
+    assert eventually(lambda: server.kernel(kid)["state"] == "failed", 90), server.kernel(kid)
+    reason = server.kernel(kid)["reason"]
     assert reason.startswith("The kernel failed while its memory was being restored"), reason
     assert "checksum" in reason and "is kept" in reason, reason
     assert at_agent(live_agent, USER, kid)["state"] == "dumped"
@@ -59,6 +48,6 @@ def test_a_damaged_chunk_fails_the_resume_keeps_the_image_and_the_next_cell_resu
     flip_byte(image / name, offset)  # mended
     out = server.output(kid, "print(x, int(a.sum()))")
     assert out.splitlines()[-1] == f"41 {EXPECTED_SUM}", out
-    view = server.view(kid)
+    view = server.kernel(kid)
     assert view["state"] == "running", view
     assert view["reason"].startswith("Resumed from its checkpoint taken at"), view

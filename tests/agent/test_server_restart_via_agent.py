@@ -12,7 +12,7 @@ from collections.abc import Callable
 import pytest
 
 from .conftest import Agent
-from .test_server_via_agent import (  # the fixtures too
+from .servers_on_agent import (
     USER,
     UserServer,
     agent_images,
@@ -20,11 +20,7 @@ from .test_server_via_agent import (  # the fixtures too
     at_agent,
     eventually,
     kernel_tasks,
-    live_agent,
-    user_servers,
 )
-
-__all__ = ["live_agent", "user_servers"]  # fixtures, used by name
 
 pytestmark = [pytest.mark.criu, pytest.mark.root]
 
@@ -58,7 +54,7 @@ def test_a_killed_servers_running_kernel_runs_on_and_is_attached_again(
 
     again = user_servers(USER)
     assert listed(again) == [kid]
-    assert again.view(kid)["state"] == "running"
+    assert again.kernel(kid)["state"] == "running"
     # The same process, not a restore: its memory never left it.
     assert again.output(kid, "print(word, os.getpid())").split() == ["kept", "42", inner_pid]
     assert kernel_tasks(live_agent, USER, kid)[0] == init
@@ -81,10 +77,10 @@ def test_a_killed_servers_suspended_kernel_comes_back_suspended(
 
     again = user_servers(USER)
     assert listed(again) == [kid]
-    view = again.view(kid)
+    view = again.kernel(kid)
     assert view["state"] == "suspended" and view["checkpoint_bytes"] > 0, view
     assert again.output(kid, "print(word)").strip() == "kept 42"
-    assert again.view(kid)["state"] == "running"
+    assert again.kernel(kid)["state"] == "running"
 
 
 def test_a_stopped_server_parks_its_kernel_at_the_agent_and_the_next_adopts_it(
@@ -104,7 +100,7 @@ def test_a_stopped_server_parks_its_kernel_at_the_agent_and_the_next_adopts_it(
 
     again = user_servers(USER)
     assert listed(again) == [kid]
-    assert again.view(kid)["state"] == "suspended"
+    assert again.kernel(kid)["state"] == "suspended"
     assert again.output(kid, "print(word)").strip() == "kept 42"
 
 
