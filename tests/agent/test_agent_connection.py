@@ -19,6 +19,7 @@ import subprocess
 import time
 import uuid
 import warnings
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -83,11 +84,13 @@ def test_a_request_leaves_nothing_on_its_event_loop(agent: Agent) -> None:
             assert _sockets() == before
         finally:
             loop.close()
+    gone = weakref.ref(loop)
     del loop
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         gc.collect()
     assert not [w for w in caught if issubclass(w.category, ResourceWarning)], caught
+    assert gone() is None  # nothing of ours holds the closed loop
 
 
 def test_a_burst_of_requests_stays_within_the_agents_share(agent: Agent) -> None:

@@ -118,13 +118,18 @@ class CheckpointAgent(SingletonConfigurable):
             except (OSError, AgentError) as e:
                 return self._remember(self._no_answer(e))
             return self._remember(_ops_reason(hello))
-        if not self._stopped:
-            task = self._refreshing.get(loop)
-            if task is None or task.done():
-                self._refreshing[loop] = loop.create_task(self.refresh())
+        if not self._stopped and loop not in self._refreshing:
+            task = self._refreshing[loop] = loop.create_task(self.refresh())
+            task.add_done_callback(self._refreshed)
         if probed is not None:
             return probed[1]
         return _info(f"the checkpoint agent at {self.socket} has not answered yet")
+
+    def _refreshed(self, task: asyncio.Task[EngineInfo]) -> None:
+        # Only one in flight is held (a task holds its loop, which would then never go).
+        loop = task.get_loop()
+        if self._refreshing.get(loop) is task:
+            del self._refreshing[loop]
 
     async def refresh(self) -> EngineInfo:
         """Ask the agent now, without blocking the event loop, and remember its answer."""
@@ -176,6 +181,8 @@ class CheckpointAgent(SingletonConfigurable):
             self._slots.clear()
             self._refreshing.clear()
             self._pid = os.getpid()
+        for closed in [lp for lp in self._slots if lp.is_closed()]:
+            del self._slots[closed]  # a semaphore once waited on holds its loop
         loop = asyncio.get_running_loop()
         slots = self._slots.get(loop)
         if slots is None:
@@ -197,6 +204,13 @@ class CheckpointAgent(SingletonConfigurable):
             out["bytes"] = int(image.get("bytes") or 0)
             out["created"] = image.get("created")
         return out
+
+    def serve(self, engine: CheckpointEngine) -> None:
+        """A server's extension starts: the engine's word on whether checkpointing is
+        available is this agent's probe (the server runs no CRIU of its own to probe),
+        refreshed in the background until `close()`."""
+        engine.probe_through = self.probe
+        self._stopped = False
 
     async def close(self) -> None:
         """The server stops: nothing more is asked in the background, and a probe in
@@ -401,10 +415,9 @@ def agent_for(parent: Any) -> CheckpointAgent | None:
 
 
 def use_agent(parent: Any) -> CheckpointAgent | None:
-    """Once, as the extension starts: the configured agent (as `agent_for`), made the
-    engine's word on whether checkpointing is available, since this server runs no CRIU
-    of its own to probe."""
+    """Once, as the extension starts: the configured agent (as `agent_for`), serving the
+    engine (`CheckpointAgent.serve`)."""
     agent = agent_for(parent)
     if agent is not None:
-        CheckpointEngine.instance(parent=parent).probe_through = agent.probe
+        agent.serve(CheckpointEngine.instance(parent=parent))
     return agent
