@@ -23,6 +23,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from ...checkpoint import compaction
+from ...checkpoint.incremental import INDEX_NAME
 from ...checkpoint.store import MANIFEST, CheckpointStore
 from .transitions import KernelState
 
@@ -99,6 +100,11 @@ class Compactor:
         if not job.settled.is_set():
             await asyncio.to_thread(job.settled.wait)
 
+    async def idle(self) -> None:
+        """Returns once every compaction asked for has ended (benches, tests)."""
+        while self._worker is not None and not self._worker.done():
+            await asyncio.wait({self._worker})
+
     async def stop(self) -> None:
         """Cancel every compaction (a server stopping); returns once none is in flight."""
         self._pending.clear()
@@ -142,6 +148,20 @@ class Compactor:
             return None
         return chain
 
+    async def _indexed(self, prov: Kernel, wait: float = 30.0) -> bool:
+        """Whether the kernel is still suspended, once its newest image's page index is
+        saved (a delta's commit saves it in the background, seconds at most): the folded
+        image takes it over, so that the next suspend after a resume is a delta at once.
+        After `wait` seconds without it, the fold goes on (the index is made again after
+        the next resume)."""
+        index = self.store.path(prov.kernel_id_str) / INDEX_NAME
+        deadline = asyncio.get_running_loop().time() + wait
+        while prov.state == KernelState.suspended and not index.exists():
+            if asyncio.get_running_loop().time() > deadline:
+                break
+            await asyncio.sleep(0.1)
+        return prov.state == KernelState.suspended
+
     def _room_on_disk(self, kernel_id: str, nbytes: int) -> bool:
         st = os.statvfs(self.store.root)
         return st.f_bavail * st.f_frsize > nbytes
@@ -153,7 +173,7 @@ class Compactor:
             if prov.state != KernelState.suspended or prov.tier != "disk":
                 continue
             chain = await asyncio.to_thread(self._due, kid)
-            if chain is None or prov.state != KernelState.suspended:
+            if chain is None or not await self._indexed(prov):
                 continue
             if not self.reserve(kid, chain.memory_bytes):
                 self.log.info(
