@@ -223,3 +223,28 @@ async def test_the_extension_wires_the_agent_and_its_stop_ends_a_probe_in_flight
         assert len(_refreshes()) == 1
         await manager.stop_extension("jupyter_cedana", manager.extension_apps["jupyter_cedana"])
         assert _refreshes() == []
+
+
+def _agent_tasks() -> list[asyncio.Task[Any]]:
+    """Tasks of the agent's client (a connection's reader) on this loop."""
+    return [
+        t
+        for t in asyncio.all_tasks()
+        if getattr(t.get_coro(), "__qualname__", "").startswith("AgentClient.")
+    ]
+
+
+async def test_the_extensions_stop_leaves_nothing_of_the_agent_pending(
+    jp_serverapp: Any, agent: Agent
+) -> None:
+    """What the server asked the agent leaves no reading task on its loop, before and
+    after the extension stops: none for the loop's close or the process's exit to
+    destroy ('Task was destroyed but it is pending')."""
+    manager = jp_serverapp.extension_manager
+    await manager.start_extension("jupyter_cedana")
+    ca = CheckpointAgent.instance()
+    assert await ca.call(lambda c: c.list()) == []
+    assert await ca.find(str(uuid.uuid4())) is None
+    await manager.stop_extension("jupyter_cedana", manager.extension_apps["jupyter_cedana"])
+    assert _agent_tasks() == []
+    assert _refreshes() == []
