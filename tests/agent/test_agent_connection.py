@@ -25,6 +25,7 @@ from typing import Any
 
 import pytest
 
+from jupyter_cedana.agent.client import AgentClient
 from jupyter_cedana.checkpoint.engine import CheckpointEngine
 from jupyter_cedana.server.kernel.checkpoint_agent import (
     PROBE_TIMEOUT,
@@ -119,6 +120,30 @@ def test_a_burst_of_requests_stays_within_the_agents_share(agent: Agent) -> None
 
     # 8 holds, 2 at a time: 4 rounds, however the loop interleaves them.
     assert asyncio.run(main()) >= 4 * hold
+
+
+def test_the_probe_does_not_queue_behind_the_kernels_requests(agent: Agent) -> None:
+    """Every slot held by a long request (dumps, a shutdown's waits): the probe still
+    gets its answer, instead of 'no answer within 2 s' while the agent works."""
+    ca = CheckpointAgent(socket=str(agent.socket_path))
+    ca.connections = 2
+    kid = str(uuid.uuid4())
+
+    async def main() -> None:
+        await ca.call(lambda c: c.launch(kid, *SLEEPER))
+        holders = [asyncio.ensure_future(ca.call(lambda c: c.wait(kid, 60))) for _ in range(2)]
+        await asyncio.sleep(0)  # each took its slot (free: no wait) and is connecting
+        try:
+            assert (await ca.refresh()).available
+        finally:
+            # Not through `ca`: its slots are all taken until the kernel exits.
+            async with await AgentClient.connect(str(agent.socket_path)) as c:
+                await c.signal(kid, signal.SIGKILL)
+            codes = await asyncio.gather(*holders)
+            assert all(code is not None for code in codes), codes
+            await ca.call(lambda c: c.release(kid))
+
+    asyncio.run(main())
 
 
 def test_the_probe_never_waits_for_the_agent_on_the_event_loop(agent: Agent) -> None:

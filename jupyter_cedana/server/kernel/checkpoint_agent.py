@@ -74,9 +74,10 @@ class CheckpointAgent(SingletonConfigurable):
     ).tag(config=True)
 
     #: Requests one event loop has at the agent at once, each on a connection of its own;
-    #: more wait for one to end. Half the agent's share of a uid (its
-    #: --max-connections-per-uid, 16), so that the user's CLI or a second server still
-    #: get in, and a burst (every kernel shut down at once) is never answered `busy`.
+    #: more wait for one to end (the probe, one at a time, does not). Half the agent's
+    #: share of a uid (its --max-connections-per-uid, 16), so that the user's CLI or a
+    #: second server still get in, and a burst (every kernel shut down at once) is never
+    #: answered `busy`.
     connections = 8
 
     def __init__(self, **kwargs: Any):
@@ -135,7 +136,9 @@ class CheckpointAgent(SingletonConfigurable):
         """Ask the agent now, without blocking the event loop, and remember its answer."""
         try:
             async with asyncio.timeout(PROBE_TIMEOUT):
-                hello = await self.call(lambda c: c.hello())
+                # Not behind the kernels' requests (8 dumps may hold every slot for
+                # minutes): one probe at a time per loop, on a connection of its own.
+                hello = await self._exchange(lambda c: c.hello())
         except EngineUnavailable:
             assert self._probed is not None  # call() remembered why: trusted from now
             self._probed = (time.monotonic(), self._probed[1])
@@ -166,15 +169,18 @@ class CheckpointAgent(SingletonConfigurable):
         """One request, on a connection of its own. A request is never sent twice (a
         dump cut off may have happened)."""
         async with self._slots_here():
-            try:
-                client = await AgentClient.connect(self.socket)
-            except OSError as e:
-                raise self.unreachable(f"no checkpoint agent answers at {self.socket}", e) from e
-            try:
-                async with client:
-                    return await request(client)
-            except (ConnectionError, OSError) as e:
-                raise self.unreachable(f"the checkpoint agent at {self.socket} went away", e) from e
+            return await self._exchange(request)
+
+    async def _exchange(self, request: Callable[[AgentClient], Awaitable[T]]) -> T:
+        try:
+            client = await AgentClient.connect(self.socket)
+        except OSError as e:
+            raise self.unreachable(f"no checkpoint agent answers at {self.socket}", e) from e
+        try:
+            async with client:
+                return await request(client)
+        except (ConnectionError, OSError) as e:
+            raise self.unreachable(f"the checkpoint agent at {self.socket} went away", e) from e
 
     def _slots_here(self) -> asyncio.Semaphore:
         if self._pid != os.getpid():
