@@ -195,6 +195,12 @@ class AgentClient:
     async def discard(self, kernel_id: str) -> None:
         await self.request("discard", {"kernel_id": kernel_id})
 
+    async def free_ports(self, kernel_id: str) -> dict[str, Any]:
+        """Move the listening ports of a dumped kernel that were taken meanwhile to free
+        ones, in its image: `moved` ({old: new}) and `port_map` (every port it ever had,
+        to the one it has now)."""
+        return await self.request("free_ports", {"kernel_id": kernel_id})
+
     async def images(self) -> dict[str, Any]:
         return await self.request("images")
 

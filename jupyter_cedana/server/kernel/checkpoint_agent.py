@@ -378,6 +378,11 @@ class AgentKernel:
         self.returncode = None
         return self.pid
 
+    async def free_ports(self) -> dict[str, Any]:
+        """Before a dumped kernel is adopted: its listening ports taken meanwhile are
+        moved to free ones in its image (AgentClient.free_ports)."""
+        return await self._op(lambda c: c.free_ports(self.kernel_id), "free the ports of")
+
     async def discard(self) -> None:
         """Forget its image (a suspended kernel shut down)."""
         with contextlib.suppress(AgentError):
