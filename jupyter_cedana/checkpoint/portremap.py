@@ -18,7 +18,6 @@ checksum that does not match.
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import ipaddress
 import os
@@ -223,10 +222,7 @@ def remap_taken(store: CheckpointStore, kernel_id: str) -> dict[int, int]:
     return ports
 
 
-def current_ports(store: CheckpointStore, kernel_id: str, info: dict[str, Any]) -> dict[str, Any]:
-    """Connection info with the ports the image's sockets have now (a record written
-    before a remap, or whose update a crash cut short, still names the old ones)."""
-    with contextlib.suppress(Exception):
-        moved = store.read_manifest(kernel_id).get("port_map") or {}
-        return {k: moved.get(str(v), v) if k.endswith("_port") else v for k, v in info.items()}
-    return info
+def with_port_map(info: dict[str, Any], port_map: dict[str, int]) -> dict[str, Any]:
+    """Connection info whose ports are moved as an image's map says (original, or any
+    number a socket had since, to the current one)."""
+    return {k: port_map.get(str(v), v) if k.endswith("_port") else v for k, v in info.items()}

@@ -318,6 +318,12 @@ class Adopter:
         why = await self._spec_problem(str(record["kernel_name"]))
         if why:
             return self._skip(kid, f"{why}; left in place")
+        if state == "dumped":
+            try:
+                freed = await self.agent.kernel(kid).free_ports()
+            except CedanaError as e:
+                return self._skip(kid, f"{e.message}; left in place for the next start")
+            self._moved_ports(kid, record, held, freed["moved"], freed["port_map"])
         manifest = {
             "total_bytes": int(found.get("bytes") or 0),
             "created": found.get("created"),
@@ -333,11 +339,25 @@ class Adopter:
         moved to a free one, in its image and in the connection info its clients get.
         Returns the image's manifest as it is now."""
         moved = portremap.remap_taken(self.store, kid)
-        info = record["connection_info"] = portremap.current_ports(
-            self.store, kid, record["connection_info"]
+        manifest_map = self.store.read_manifest(kid).get("port_map") or {}
+        self._moved_ports(kid, record, held, moved, manifest_map)
+        return self.store.read_manifest(kid) if moved else manifest
+
+    def _moved_ports(
+        self,
+        kid: str,
+        record: dict[str, Any],
+        held: HeldRecord,
+        moved: dict[Any, int],
+        port_map: dict[str, int],
+    ) -> None:
+        """The connection info its clients get follows the image's map of ports; the
+        record keeps it when ports moved now."""
+        info = record["connection_info"] = portremap.with_port_map(
+            record["connection_info"], port_map
         )
         if not moved:
-            return manifest
+            return
         self.log.warning(
             "jupyter-cedana: parked kernel %s: port(s) %s taken since its server stopped; "
             "moved to %s (its clients get the new connection info)",
@@ -348,11 +368,10 @@ class Adopter:
         try:
             held.replace({**record, "connection_info": info})
         except OSError as e:
-            # The image's map of ports says where they went (portremap.current_ports).
+            # The image's map of ports says where they went (portremap.with_port_map).
             self.log.warning(
                 "jupyter-cedana: parked kernel %s: its record keeps the old ports: %s", kid, e
             )
-        return self.store.read_manifest(kid)
 
     def _retention_since(self, record: dict[str, Any]) -> Stamp | float | None:
         """When the kernel's retention began: its image's making, on the boot clock

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 from collections.abc import Callable
 
 import pytest
@@ -81,6 +82,30 @@ def test_a_killed_servers_suspended_kernel_comes_back_suspended(
     assert view["state"] == "suspended" and view["checkpoint_bytes"] > 0, view
     assert again.output(kid, "print(word)").strip() == "kept 42"
     assert again.kernel(kid)["state"] == "running"
+
+
+def test_a_port_taken_while_no_server_held_it_is_moved_at_adoption(
+    live_agent: Agent, user_servers: Callable[..., UserServer]
+) -> None:
+    """Between a killed server and the next nobody holds a suspended kernel's ports; one
+    taken meanwhile is moved, in the agent's image and in what the clients get."""
+    server = user_servers(USER)
+    kid = server.start_kernel()
+    server.output(kid, STATE)
+    server.suspend(kid)
+    shell = int(at_agent(live_agent, USER, kid)["meta"]["connection_info"]["shell_port"])
+    killed(server)
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as taken:
+        taken.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        taken.bind(("127.0.0.1", shell))
+        taken.listen()
+        again = user_servers(USER)
+        assert listed(again) == [kid]
+        assert again.kernel(kid)["state"] == "suspended"
+        assert again.output(kid, "print(word)").strip() == "kept 42"
+    log = again.log.read_text(errors="replace")
+    assert f"port(s) {shell} taken since its server stopped" in log, again.log_tail()
 
 
 def test_a_stopped_server_parks_its_kernel_at_the_agent_and_the_next_adopts_it(
