@@ -80,7 +80,7 @@ def machine_info(root: Path) -> dict[str, Any]:
     from jupyter_cedana.checkpoint.engine import CheckpointEngine
 
     return {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "nproc": os.cpu_count(),
         "mem_bytes": meminfo().get("MemTotal", 0),
         "kernel": platform.release(),

@@ -140,7 +140,7 @@ class Chaos:
 
     def note(self, text: str) -> None:
         if self.args.verbose:
-            stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%H:%M:%S")
+            stamp = datetime.datetime.now(datetime.UTC).strftime("%H:%M:%S")
             print(f"{stamp} {text}", flush=True)
 
     def fail(self, text: str) -> None:
@@ -217,7 +217,7 @@ class Chaos:
             self.ops[op] += 1
             try:
                 await asyncio.wait_for(getattr(self, f"op_{op}")(k), self.timeout)
-            except (Failure, asyncio.TimeoutError, TimeoutError) as e:
+            except (Failure, TimeoutError) as e:
                 self.fail(f"{op} {k.kid}: {type(e).__name__}: {e}")
 
     # -- watching for a phase ------------------------------------------------------------

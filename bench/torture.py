@@ -266,7 +266,7 @@ class Torture:
                     await asyncio.wait_for(getattr(self, f"op_{op}")(kid), self.timeout * 3)
                 except Failure as e:
                     self.fail(op, f"{kid}: {e}")
-                except (asyncio.TimeoutError, TimeoutError):
+                except TimeoutError:
                     self.fail(op, f"{kid}: timed out")
                 except Exception as e:  # anything else is a finding too
                     self.fail(op, f"{kid}: {type(e).__name__}: {e}")

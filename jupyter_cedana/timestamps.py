@@ -27,7 +27,7 @@ def iso(ts: float | None) -> str | None:
     """Epoch seconds as ISO 8601 text in UTC (None stays None)."""
     if ts is None:
         return None
-    return dt.datetime.fromtimestamp(ts, tz=dt.timezone.utc).isoformat()
+    return dt.datetime.fromtimestamp(ts, tz=dt.UTC).isoformat()
 
 
 class Clock(Protocol):

@@ -226,7 +226,7 @@ def idle_for_hours(jp_serverapp: Any, kid: str) -> None:
     m = manager(jp_serverapp)
     m.policy.idle_timeout = 3600
     kernel = jp_serverapp.kernel_manager.get_kernel(kid)
-    kernel.last_activity = dt.datetime.now(dt.timezone.utc) - dt.timedelta(hours=2)
+    kernel.last_activity = dt.datetime.now(dt.UTC) - dt.timedelta(hours=2)
 
 
 # -- answered while suspended -------------------------------------------------------------
@@ -273,7 +273,7 @@ async def test_reconnect_is_answered_and_does_not_wake(
     assert [e["action"] for e in events] == ["suspending", "suspended"]
 
     # A cell is a person's doing: it resumes the kernel, and that counts as activity.
-    before = dt.datetime.now(dt.timezone.utc)
+    before = dt.datetime.now(dt.UTC)
     assert await reloaded.run("print(x + 1)") == "42\n"
     kernel = jp_serverapp.kernel_manager.get_kernel(kid)
     assert kernel.last_activity >= before
@@ -446,7 +446,7 @@ async def test_interrupt_of_a_suspended_kernel_is_409(
     assert "suspended" in body["message"] and "nothing runs" in body["message"]
     assert state(jp_serverapp, kid) == "suspended"
     # Resume asked for by a person: activity, the idle countdown starts again.
-    before = dt.datetime.now(dt.timezone.utc)
+    before = dt.datetime.now(dt.UTC)
     status, _ = await api("POST", "kernels", kid, "resume")
     assert status == 200
     assert jp_serverapp.kernel_manager.get_kernel(kid).last_activity >= before
@@ -608,7 +608,7 @@ async def test_the_policy_leaves_a_restarting_kernel_alone(
     m = manager(jp_serverapp)
     await m.stop()
     assert (await api("POST", "kernels", kid, "suspend"))[0] == 200  # its image is discarded
-    before = dt.datetime.now(dt.timezone.utc)
+    before = dt.datetime.now(dt.UTC)
     monkeypatch.setattr(CedanaProvisioner, "launch_kernel", held_launch)
     restart = asyncio.ensure_future(
         jp_fetch("api", "kernels", kid, "restart", method="POST", body="")

@@ -175,7 +175,7 @@ def test_classification(error: Exception, permanent: bool) -> None:
 
 def test_failures_back_off_exponentially_up_to_the_cap() -> None:
     backoff = SuspendBackoff(retry_delay=10.0, max_retry_delay=25.0)
-    activity = dt.datetime.now(dt.timezone.utc)
+    activity = dt.datetime.now(dt.UTC)
     delays = []
     for _ in range(4):
         before = time.time()
@@ -194,7 +194,7 @@ def test_failures_back_off_exponentially_up_to_the_cap() -> None:
 
 def test_not_checkpointable_waits_for_activity_or_the_cap() -> None:
     backoff = SuspendBackoff(retry_delay=1.0, max_retry_delay=3600.0)
-    activity = dt.datetime.now(dt.timezone.utc)
+    activity = dt.datetime.now(dt.UTC)
     before = time.time()
     setback = backoff.failed("k", SuspendFailed(GHOST), activity)
     assert setback.retry_at >= before + 3600

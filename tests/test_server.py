@@ -498,7 +498,7 @@ async def test_culler_spares_suspended_kernel_until_retention(api, new_kernel, j
     await api("POST", "kernels", kid, "suspend")
     mkm = jp_serverapp.kernel_manager
     mkm.cull_idle_timeout = 1
-    mkm.get_kernel(kid).last_activity = dt.datetime.now(dt.timezone.utc) - dt.timedelta(hours=1)
+    mkm.get_kernel(kid).last_activity = dt.datetime.now(dt.UTC) - dt.timedelta(hours=1)
     await mkm.cull_kernel_if_idle(kid)
     assert kid in mkm
     # Past the retention time the culler may act (the policy loop, which would shut it

@@ -118,7 +118,7 @@ class CudaHelper(LoggingConfigurable):
             proc.stdin.close()
         try:
             await asyncio.wait_for(proc.wait(), 5)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             proc.kill()
             await proc.wait()
 
@@ -147,7 +147,7 @@ class CudaHelper(LoggingConfigurable):
                 proc.stdin.write((json.dumps(req) + "\n").encode())
                 await proc.stdin.drain()
                 line = await asyncio.wait_for(proc.stdout.readline(), self.request_timeout)
-            except (asyncio.TimeoutError, ConnectionError, BrokenPipeError) as e:
+            except (TimeoutError, ConnectionError, BrokenPipeError) as e:
                 # A stuck or dead helper would answer later requests out of turn.
                 self._proc = None
                 if proc.returncode is None:

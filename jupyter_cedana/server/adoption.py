@@ -498,4 +498,4 @@ def _parse_time(value: Any) -> dt.datetime | None:
         parsed = dt.datetime.fromisoformat(value)
     except ValueError:
         return None
-    return parsed if parsed.tzinfo else parsed.replace(tzinfo=dt.timezone.utc)
+    return parsed if parsed.tzinfo else parsed.replace(tzinfo=dt.UTC)

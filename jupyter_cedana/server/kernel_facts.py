@@ -72,7 +72,7 @@ def idle_seconds(kernel: Any) -> float:
     last = getattr(kernel, "last_activity", None)
     if last is None:
         return 0.0
-    return max(0.0, (dt.datetime.now(dt.timezone.utc) - last).total_seconds())
+    return max(0.0, (dt.datetime.now(dt.UTC) - last).total_seconds())
 
 
 def between_processes(kernel: Any) -> bool:
@@ -85,6 +85,6 @@ def between_processes(kernel: Any) -> bool:
 def touch(kernel_manager: Any, kernel_id: str) -> None:
     """Record activity a person caused: the idle countdown starts again."""
     with contextlib.suppress(KeyError):
-        now = dt.datetime.now(dt.timezone.utc)
+        now = dt.datetime.now(dt.UTC)
         kernel_manager.get_kernel(kernel_id).last_activity = now
         kernel_manager.last_kernel_activity = now

@@ -26,7 +26,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import Callable, Generator, Iterator
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -367,7 +367,7 @@ class Hub:
                         "msg_type": "execute_request",
                         "username": user,
                         "session": session,
-                        "date": datetime.now(timezone.utc).isoformat(),
+                        "date": datetime.now(UTC).isoformat(),
                         "version": "5.3",
                     },
                     "parent_header": {},
