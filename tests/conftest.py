@@ -196,7 +196,7 @@ async def kernel(engine_config: Config, tmp_path: Path) -> AsyncIterator[Any]:
         yield km
     finally:
         await stop_kernel(km)
-        if CheckpointAgent.initialized():  # its connection, before this test's loop ends
+        if CheckpointAgent.initialized():  # a background probe, before this loop ends
             await CheckpointAgent.instance().close()
 
 
