@@ -171,6 +171,26 @@ def test_the_probe_never_waits_for_the_agent_on_the_event_loop(agent: Agent) -> 
     asyncio.run(main())
 
 
+def test_a_stop_ends_probing_on_its_loop_only(agent: Agent) -> None:
+    """close() at one loop's end (a server's stop, a test's) leaves the next loop's probe
+    asking the agent again: a singleton shared by tests is not left stale."""
+    ca = CheckpointAgent(socket=str(agent.socket_path), probe_ttl=0.0)
+
+    async def stop() -> None:
+        await ca.close()
+        ca.probe()
+        assert _refreshes() == []  # none started after the stop
+
+    async def next_loop() -> None:
+        ca.probe()
+        assert len(_refreshes()) == 1
+        await asyncio.wait(_refreshes(), timeout=PROBE_TIMEOUT + 30)
+        await ca.close()
+
+    asyncio.run(stop())
+    asyncio.run(next_loop())
+
+
 def test_a_loop_with_no_answer_yet_is_not_kept_waiting(agent: Agent) -> None:
     ca = CheckpointAgent(socket=str(agent.socket_path))
 

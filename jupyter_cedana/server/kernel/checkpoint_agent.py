@@ -91,7 +91,8 @@ class CheckpointAgent(SingletonConfigurable):
         ] = weakref.WeakKeyDictionary()
         self._pid = os.getpid()
         self._probed: tuple[float, EngineInfo] | None = None
-        self._stopped = False
+        # Loops whose server stopped: no probe is started there any more.
+        self._stopped: weakref.WeakSet[asyncio.AbstractEventLoop] = weakref.WeakSet()
 
     @property
     def enabled(self) -> bool:
@@ -119,7 +120,7 @@ class CheckpointAgent(SingletonConfigurable):
             except (OSError, AgentError) as e:
                 return self._remember(self._no_answer(e))
             return self._remember(_ops_reason(hello))
-        if not self._stopped and loop not in self._refreshing:
+        if loop not in self._stopped and loop not in self._refreshing:
             task = self._refreshing[loop] = loop.create_task(self.refresh())
             task.add_done_callback(self._refreshed)
         if probed is not None:
@@ -216,14 +217,15 @@ class CheckpointAgent(SingletonConfigurable):
         available is this agent's probe (the server runs no CRIU of its own to probe),
         refreshed in the background until `close()`."""
         engine.probe_through = self.probe
-        self._stopped = False
 
     async def close(self) -> None:
-        """The server stops: nothing more is asked in the background, and a probe in
-        flight on this loop is ended. Requests still work (the kernels are shut down
-        after this), each on its own connection as ever."""
-        self._stopped = True
-        task = self._refreshing.pop(asyncio.get_running_loop(), None)
+        """The server stops: nothing more is asked in the background on this loop, and a
+        probe in flight on it is ended. Requests still work (the kernels are shut down
+        after this), each on its own connection as ever; another loop (a test's next) may
+        probe again."""
+        loop = asyncio.get_running_loop()
+        self._stopped.add(loop)
+        task = self._refreshing.pop(loop, None)
         if task is not None:
             task.cancel()
             await asyncio.wait({task})
