@@ -22,41 +22,14 @@ if [ "${1:-}" = "--through-agent" ]; then
   [ "$(id -u)" = 0 ] || { echo "--through-agent: run as root (the agent runs as root)" >&2; exit 1; }
   NR=$ROOT/.venv-nonroot/bin
   [ -x "$NR/python" ] || { echo "no $NR/python: run scripts/setup-nonroot.sh" >&2; exit 1; }
-  # The agent refuses a socket or state directory that anyone but root could write, up to
-  # /: its own under /tmp (root's, sticky), 0755 so that the user reaches the socket.
-  AGENT_DIR=$(mktemp -d /tmp/cedana-conformance-agent.XXXXXX)
-  agent_pid=
-  stop_agent() {
-    if [ -n "$agent_pid" ]; then
-      kill -TERM "$agent_pid" 2>/dev/null || true
-      wait "$agent_pid" 2>/dev/null || true
-    fi
-    rm -rf "$AGENT_DIR"
-  }
-  trap stop_agent EXIT
-  chmod 0755 "$AGENT_DIR"
-  install -d -m 0755 "$AGENT_DIR/run"
-  install -d -m 0700 "$AGENT_DIR/state"
-  # Its kernels end with it (--kernels-on-stop kill): nothing of the run outlives it.
-  (cd / && exec "$ROOT/.venv/bin/python" -m jupyter_cedana.agent \
-    --socket "$AGENT_DIR/run/agent.sock" --state-dir "$AGENT_DIR/state" \
-    --kernels-on-stop kill >"$AGENT_DIR/agent.out" 2>"$AGENT_DIR/agent.log") &
-  agent_pid=$!
-  for _ in $(seq 600); do # it says `listening` once it accepts connections
-    grep -q listening "$AGENT_DIR/agent.out" && break
-    kill -0 "$agent_pid" 2>/dev/null || break
-    sleep 0.2
-  done
-  grep -q listening "$AGENT_DIR/agent.out" || {
-    echo "the checkpoint agent did not start:" >&2
-    cat "$AGENT_DIR/agent.log" >&2
-    exit 1
-  }
+  # shellcheck source=scripts/test-agent.sh
+  . scripts/test-agent.sh
+  start_test_agent conformance
   install -d -m 0755 "$ROOT/.conformance"
   install -d -o cedana-test -g cedana-test "$ROOT/.conformance/agent"
   rc=0
   runuser -u cedana-test -- env -i HOME=/home/cedana-test LANG=C.UTF-8 \
-    PATH="$NR:/usr/bin:/bin" CEDANA_TEST_AGENT_SOCKET="$AGENT_DIR/run/agent.sock" \
+    PATH="$NR:/usr/bin:/bin" CEDANA_TEST_AGENT_SOCKET="$AGENT_SOCKET" \
     CONFORMANCE_PYTHON="$NR/python" CONFORMANCE_CACHE="$ROOT/.conformance/agent" \
     bash "$ROOT/scripts/conformance.sh" "$@" || rc=$?
   if [ "$rc" != 0 ]; then

@@ -48,39 +48,9 @@ if [ $# -eq 0 ] && [ "$(id -u)" = 0 ]; then
   # as that user too, and spawns only that user's server).
   step "pytest as the ordinary user cedana-test, through a checkpoint agent"
   NR=$ROOT/.venv-nonroot/bin
-  # The agent refuses a socket or state directory that anyone but root could write, up to
-  # /: its own under /tmp (root's, sticky), 0755 so that the user reaches the socket.
-  AGENT_DIR=$(mktemp -d /tmp/cedana-test-agent.XXXXXX)
-  agent_pid=
-  stop_agent() {
-    if [ -n "$agent_pid" ]; then
-      kill -TERM "$agent_pid" 2>/dev/null || true
-      wait "$agent_pid" 2>/dev/null || true
-      agent_pid=
-    fi
-    rm -rf "$AGENT_DIR"
-  }
-  trap stop_agent EXIT
-  chmod 0755 "$AGENT_DIR"
-  install -d -m 0755 "$AGENT_DIR/run"
-  install -d -m 0700 "$AGENT_DIR/state"
-  AGENT_SOCKET=$AGENT_DIR/run/agent.sock
-  # Its kernels end with it (--kernels-on-stop kill): nothing of the run outlives it.
-  (cd / && exec python -m jupyter_cedana.agent --socket "$AGENT_SOCKET" \
-    --state-dir "$AGENT_DIR/state" --kernels-on-stop kill \
-    >"$AGENT_DIR/agent.out" 2>"$AGENT_DIR/agent.log") &
-  agent_pid=$!
-  # It says `listening` once it accepts connections, or exits with the reason.
-  for _ in $(seq 600); do
-    grep -q listening "$AGENT_DIR/agent.out" && break
-    kill -0 "$agent_pid" 2>/dev/null || break
-    sleep 0.2
-  done
-  if ! grep -q listening "$AGENT_DIR/agent.out"; then
-    echo "the checkpoint agent did not start:" >&2
-    cat "$AGENT_DIR/agent.log" >&2
-    exit 1
-  fi
+  # shellcheck source=scripts/test-agent.sh
+  . scripts/test-agent.sh
+  start_test_agent test
   nonroot_rc=0
   runuser -u cedana-test -- env -i HOME=/home/cedana-test LANG=C.UTF-8 PATH="$NR:/usr/bin:/bin" \
     CEDANA_TEST_AGENT_SOCKET="$AGENT_SOCKET" \
@@ -90,7 +60,7 @@ if [ $# -eq 0 ] && [ "$(id -u)" = 0 ]; then
     echo "the checkpoint agent's log (last lines):" >&2
     tail -n 60 "$AGENT_DIR/agent.log" >&2
   fi
-  stop_agent
+  stop_test_agent
   trap - EXIT
   [ "$nonroot_rc" = 0 ] || exit "$nonroot_rc"
 fi

@@ -131,15 +131,21 @@ class CheckpointOps:
         service.register("discard", self.op_discard)
         service.register("images", self.op_images)
 
+    def _image_of(self, caller: Caller, kid: str) -> KernelRecord | None:
+        """The caller's image of kernel `kid` is there, and no kernel runs from it: its
+        record (None for an image from before the agent restarted)."""
+        record = self.kernels.get(caller.uid, kid)
+        if record is not None and record.state != State.dumped:
+            raise AgentError("conflict", f"kernel {kid} is {record.state.value}, not dumped")
+        if not self.store.for_uid(caller.uid).exists(kid):
+            raise AgentError("not_found", f"no image of kernel {kid}")
+        return record
+
     def dumped_record(self, caller: Caller, kid: str) -> KernelRecord:
         """The caller's record of a dumped kernel `kid`, made for an image from before
         the agent restarted (which has none), so that an op on the image holds its lock."""
         store = self.store.for_uid(caller.uid)
-        record = self.kernels.get(caller.uid, kid)
-        if record is not None and record.state != State.dumped:
-            raise AgentError("conflict", f"kernel {kid} is {record.state.value}, not dumped")
-        if not store.exists(kid):
-            raise AgentError("not_found", f"no image of kernel {kid}")
+        record = self._image_of(caller, kid)
         if record is None:
             meta = None
             with contextlib.suppress(CedanaError):
@@ -428,13 +434,8 @@ class CheckpointOps:
 
     async def op_discard(self, caller: Caller, args: dict[str, Any], _: Progress) -> dict[str, Any]:
         kid = kernel_id_arg(args)
-        store = self.store.for_uid(caller.uid)
-        record = self.kernels.get(caller.uid, kid)
-        if record is not None and record.state != State.dumped:
-            raise AgentError("conflict", f"kernel {kid} is {record.state.value}, not dumped")
-        if not store.exists(kid):
-            raise AgentError("not_found", f"no image of kernel {kid}")
-        store.remove(kid)
+        record = self._image_of(caller, kid)
+        self.store.for_uid(caller.uid).remove(kid)
         if record is not None:
             self.kernels.remove(caller.uid, kid)
         return {"kernel_id": kid}
