@@ -210,9 +210,9 @@ class Checkpointing(Restoring):
         kid = self.kernel_id_str
         if not (store.path(kid) / INDEX_NAME).exists():
             return None
-        # Chains are not compacted (docs/incremental.md): a chain that would hold more
-        # than this share of the kernel's memory with one more delta the size of its
-        # last one is replaced by a whole image.
+        # A chain that would hold more than this share of the kernel's memory with one
+        # more delta the size of its last one is replaced by a whole image now; chains
+        # below it are folded in the background once suspended (compactor.py).
         try:
             top = store.read_manifest(kid)
             held = int(top.get("held_bytes") or top["total_bytes"])
