@@ -429,6 +429,36 @@ async def test_a_held_cell_waits_for_stdin_to_reconnect(
     assert [m["content"]["prompt"] for m in got["msgs"] if m["msg_type"] == "input_request"]
 
 
+async def test_a_cell_sent_right_after_a_rest_resume_waits_for_iopub(
+    api, new_kernel, connect, jp_serverapp
+):
+    """Resumed by REST with nothing held, the kernel runs before each client's IOPub has
+    reconnected; a cell sent then would publish its output to nobody. The gate holds it
+    until that client's IOPub is back. Here the test keeps IOPub away until it lets it go."""
+    kid = await new_kernel()
+    client = await connect(kid)
+    await client.run("greeting = 'hi'")
+    await api("POST", "kernels", kid, "suspend")
+    g = gate(jp_serverapp)
+    (conn,) = g.connections(kid)
+    iopub = conn.channels["iopub"]
+    info = jp_serverapp.kernel_manager.get_kernel(kid).get_connection_info()
+    url = f"{info['transport']}://{info['ip']}:{info['iopub_port']}"
+    iopub.socket.disconnect(url)  # no reconnect until the test connects it again
+
+    await api("POST", "kernels", kid, "resume")
+    assert state(jp_serverapp, kid) == "running"
+    cell = client.execute("print(greeting)")
+    await until(
+        lambda: [m for _, m in g._held.get(kid, []) if m.msg_id == cell], "the cell to be held"
+    )
+    assert kid in g._releasing  # confirming the client's IOPub
+
+    iopub.socket.connect(url)
+    got = await client.answer(cell)
+    assert got["reply"]["content"]["status"] == "ok" and got["stdout"] == "hi\n", got
+
+
 async def test_interrupt_of_a_suspended_kernel_is_409(
     api, new_kernel, connect, jp_fetch, jp_serverapp
 ):

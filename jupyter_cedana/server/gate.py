@@ -61,6 +61,9 @@ class MessageGate:
         # Clients whose websocket is opening (weakly: a handshake may end without close).
         self._connecting: dict[str, weakref.WeakKeyDictionary[Any, float]] = {}
         self._left_running: dict[str, set[asyncio.Future[None]]] = {}
+        # Kernels being resumed: once running, their clients' IOPub is confirmed before
+        # anything more reaches them, whoever resumed them.
+        self._resuming: set[str] = set()
         self._watched: weakref.WeakSet[Any] = weakref.WeakSet()
         self._tasks: set[asyncio.Future[Any]] = set()
         self._closed = False
@@ -131,6 +134,10 @@ class MessageGate:
             for fut in self._left_running.pop(kid, set()):
                 if not fut.done():
                     fut.set_result(None)
+            if prov.state.value == "resuming":
+                self._resuming.add(kid)
+            else:
+                self._resuming.discard(kid)
             if prov.state.value == "failed":
                 self._answer_unanswered(kid, prov.reason or "the kernel failed")
             elif prov.state.value in ("resuming", "suspending"):
@@ -139,15 +146,24 @@ class MessageGate:
                 self._unanswered.pop(kid, None)
                 self._notices.pop(kid, None)
         elif getattr(prov.parent, "shutting_down", False):
+            self._resuming.discard(kid)
             # Discarded for a shutdown or restart: held requests have no kernel to go to.
             if self._held.get(kid) and kid not in self._releasing:
                 self._refuse_all(kid, "the kernel was shut down or restarted")
         else:
             if getattr(prov, "work_lost_after", None) is not None and prov.reason:
                 self._notices[kid] = str(prov.reason)  # resumed from an older image
+            resumed = kid in self._resuming
+            self._resuming.discard(kid)
             if self._held.get(kid):
                 # Resumed by anyone: what waited goes now.
                 self.release(kid)
+            elif resumed and kid not in self._releasing and self.connections(kid):
+                # Resumed with nothing held (REST, the sidebar, the CLI): each client's
+                # IOPub reconnects on its own, later than the kernel runs. Until it is
+                # back, what clients send is held, or the output of a cell sent at once
+                # would be published to nobody.
+                self._releasing[kid] = asyncio.ensure_future(self._release(kid, announce=False))
 
     async def unless_suspended(self, kernel_id: str, work: Awaitable[Any], cancel: bool) -> bool:
         """Await `work` unless the kernel leaves `running` first: then False, and `work`
@@ -305,9 +321,13 @@ class MessageGate:
             if isinstance(c, GatedWebsocketConnection) and c.kernel_id == kernel_id and c.channels
         ]
 
-    async def _release(self, kid: str) -> None:
+    async def _release(self, kid: str, announce: bool = True) -> None:
+        """Resume the kernel if it is not running, confirm every client's IOPub and stdin,
+        then deliver what is held. `announce`: the clients are told the kernel is busy
+        meanwhile (a held message is waiting for it)."""
         try:
-            self._status(kid, "busy")
+            if announce:
+                self._status(kid, "busy")
             while True:
                 await self.manager.ensure_running(kid)
                 # A client still connecting has its IOPub checked by its own nudge.
@@ -340,8 +360,10 @@ class MessageGate:
             self._releasing.pop(kid, None)
         held = self._held.pop(kid, [])
         self._wake.discard(kid)
-        self._status(kid, "idle")
-        self.log.info("Kernel %s runs: delivering %d held messages", kid, len(held))
+        if announce:
+            self._status(kid, "idle")
+        if announce or held:
+            self.log.info("Kernel %s runs: delivering %d held messages", kid, len(held))
         for conn, msg in held:
             try:
                 self.deliver(conn, msg)
