@@ -94,22 +94,24 @@ class Checkpointing(Restoring):
             raise Conflict(f"GPU offload is unavailable: {why or 'no CUDA checkpoint support'}")
         t0 = time.monotonic()
         try:
-            result = await gpu.offload(process_tree(self.pid or 0), progress=self._gpu_progress)
+            result = await gpu.offload(
+                process_tree(self.pid or 0), progress=self.gpu_memory.progress
+            )
             if not result:
                 raise Conflict(f"Kernel {self.kernel_id} holds no GPU memory: nothing to offload")
         except CudaStateLeft as e:
-            self._gpu_left(e)
+            self.gpu_memory.left(e)
             raise
         except BaseException as e:
             self.machine.set_state(
                 KernelState.running, reason=getattr(e, "message", None) or str(e)
             )
             raise
-        self._gpu_state = dict(result)
+        self.gpu_memory.state = dict(result)
         self.tier = "offload"
         self.suspended_at = time.time()
         self.last_suspend_seconds = time.monotonic() - t0
-        self.gpu_memory_freed = int((self._gpu_state or {}).get("bytes_freed", 0))
+        self.gpu_memory_freed = int((self.gpu_memory.state or {}).get("bytes_freed", 0))
         self.checkpoint_bytes = 0
         self.machine.set_state(KernelState.suspended)
         return self.summary()
@@ -133,13 +135,13 @@ class Checkpointing(Restoring):
         kid = self.kernel_id_str
         t0 = time.monotonic()
         pids = process_tree(self.pid or 0)
-        gpu_state = self._gpu_state if from_offload else None
+        gpu_state = self.gpu_memory.state if from_offload else None
         gpu = await self._gpu()
         if not from_offload and gpu is not None:
             try:
-                gpu_state = await gpu.offload(pids, progress=self._gpu_progress) or None
+                gpu_state = await gpu.offload(pids, progress=self.gpu_memory.progress) or None
             except CudaStateLeft as e:
-                self._gpu_left(e)
+                self.gpu_memory.left(e)
                 raise
         elif not from_offload:
             self._refuse_unsaved_gpu_memory(pids)
@@ -249,7 +251,7 @@ class Checkpointing(Restoring):
             self.engine.store.discard(tmp)
         self._continue(pids | process_tree(self.pid or 0))
         if gpu_state is not None and gpu is not None:
-            left = await self._undo_offload(gpu, gpu_state)
+            left = await self.gpu_memory.undo_offload(gpu, gpu_state)
             if left is not None:
                 raise SuspendFailed(
                     f"Suspend of kernel {self.kernel_id_str} failed: {error}; {left}"
@@ -345,7 +347,7 @@ class Checkpointing(Restoring):
             self._background(
                 asyncio.to_thread(_save_index, dumped.delta.index, store.path(kid), manifest)
             )
-        self._gpu_state = gpu_state
+        self.gpu_memory.state = gpu_state
         self.tier = "disk"
         self.suspended_at = suspended_at
         self.last_suspend_seconds = time.monotonic() - t0

@@ -33,6 +33,7 @@ from ...errors import Conflict, EngineUnavailable
 from ..adoption import claim_adoption
 from .checkpoint_agent import AgentKernel, CheckpointAgent, agent_for
 from .checkpointing import Checkpointing
+from .gpu_steps import GpuMemory
 from .ports import PortHold
 from .record import RecordHolder
 from .transitions import KernelState, Listener, Progress, SuspendHook, TransitionMachine
@@ -47,7 +48,7 @@ class CedanaProvisioner(Checkpointing, LocalProvisioner):  # type: ignore[misc]
         super().__init__(**kwargs)
         self.machine = TransitionMachine(self, self.log, self.kernel_id)
         self.port_hold = PortHold(self.log, self.kernel_id)
-        self._gpu_state: dict[str, Any] | None = None
+        self.gpu_memory = GpuMemory(self.machine, self.log, self.kernel_id)
         self._chores: set[asyncio.Future[Any]] = set()
         self._exit_told: Any = None  # the process whose exit was logged
         # Its park record: while suspended to disk (or failed with it); always at the agent.
@@ -336,8 +337,7 @@ class CedanaProvisioner(Checkpointing, LocalProvisioner):  # type: ignore[misc]
         if self.process is None or self.process.poll() is None:
             return False
         self.log.warning("Offloaded kernel %s exited", self.kernel_id)
-        self._gpu_state = None
-        self._gpu_lost = False
+        self.gpu_memory.forget()
         self.tier = None
         self.machine.set_state(KernelState.running, reason="the offloaded kernel's process exited")
         return True
@@ -345,7 +345,7 @@ class CedanaProvisioner(Checkpointing, LocalProvisioner):  # type: ignore[misc]
     def _keeps_process(self) -> bool:
         """Not running, yet its process lives: offloaded, or failed by a GPU step."""
         if self.state == KernelState.failed:
-            return self.tier == "offload" or self._gpu_lost
+            return self.tier == "offload" or self.gpu_memory.lost
         return self.state == KernelState.suspended and self.tier == "offload"
 
     async def wait(self) -> int | None:
@@ -427,8 +427,7 @@ class CedanaProvisioner(Checkpointing, LocalProvisioner):  # type: ignore[misc]
         self.records.drop()
         self.port_hold.release()
         self.process = None
-        self._gpu_state = None
-        self._gpu_lost = False
+        self.gpu_memory.forget()
         self.tier = None
         self.checkpoint_bytes = 0
         self.machine.set_state(KernelState.running)
@@ -510,7 +509,7 @@ class CedanaProvisioner(Checkpointing, LocalProvisioner):  # type: ignore[misc]
 
     def adopt_gpu_state(self, state: dict[str, Any] | None) -> None:
         """The GPU state an adopted kernel's image holds (its manifest's "gpu")."""
-        self._gpu_state = state
+        self.gpu_memory.state = state
 
 
 def _keep_agent_record(prov: Any, what: str) -> None:

@@ -33,19 +33,25 @@ from ...gpu.cuda import CudaStateLeft
 from ...timestamps import iso
 from .checkpoint_agent import AgentKernel
 from .compactor import compactor_for
-from .gpu_steps import GpuSteps
+from .gpu_steps import GpuMemory
 from .ports import PortHold
 from .record import RecordHolder
-from .transitions import KernelState
+from .transitions import KernelState, TransitionMachine
 
 
-class Restoring(GpuSteps):
+class Restoring:
     """resume() of the provisioner's kernel, and the parts suspend() shares."""
 
     kernel_id: Any
+    log: Any
     pid: int | None
     process: Any
     parent: Any
+    machine: TransitionMachine  # the kernel's state and transitions (the provisioner's)
+    state: KernelState
+    tier: str | None
+    reason: str | None
+    gpu_memory: GpuMemory  # its GPU memory between the steps of a suspend or resume
     suspended_at: float | None = None
     last_suspend_seconds: float | None = None
     # Where the last suspend's time went (seconds), for benchmarks and logs.
@@ -159,7 +165,7 @@ class Restoring(GpuSteps):
             raise Conflict(f"Kernel {self.kernel_id} is running, not suspended")
         if self.tier == "offload" and self.state in (KernelState.suspended, KernelState.failed):
             return await self._resume_offload()
-        if self.state == KernelState.failed and self._gpu_lost:
+        if self.state == KernelState.failed and self.gpu_memory.lost:
             raise Conflict(f"Kernel {self.kernel_id} cannot be resumed: {self.reason}; restart it")
         if self.remote is not None:
             return await self._resume_at_agent()
@@ -177,7 +183,7 @@ class Restoring(GpuSteps):
         try:
             manifest = store.check_sizes(kid)
             check_free(manifest.get("task_ids"))
-            gpu_state = manifest.get("gpu") or self._gpu_state
+            gpu_state = manifest.get("gpu") or self.gpu_memory.state
             gpu, plan = await self._admit(gpu_state)
         except InsufficientGpuMemory as e:
             # Nothing was touched: the kernel stays suspended and a later resume may fit.
@@ -249,7 +255,7 @@ class Restoring(GpuSteps):
             pid = await restored
             await verify
             t_restored = time.monotonic()
-            before, after = self._gpu_restore_step(gpu, gpu_state, pid, plan)
+            before, after = self.gpu_memory.restore_step(gpu, gpu_state, pid, plan)
             await self._continue_restored(pid, before=before)
             if after is not None:
                 await after()
@@ -284,7 +290,7 @@ class Restoring(GpuSteps):
         assert proc is not None and pid is not None
         self.process = proc
         self.pid = pid
-        self._gpu_state = None
+        self.gpu_memory.state = None
         self.last_resume_seconds = time.monotonic() - t0
         self.last_resume_breakdown = {
             "lazy": pages is not None,
@@ -479,14 +485,14 @@ class Restoring(GpuSteps):
         try:
             if gpu is None:
                 raise ResumeFailed("GPU checkpoint support went away")
-            await gpu.restore(self._gpu_state, None, progress=self._gpu_progress)
+            await gpu.restore(self.gpu_memory.state, None, progress=self.gpu_memory.progress)
         except CudaStateLeft as e:
-            self._gpu_left(e)
+            self.gpu_memory.left(e)
             raise
         except BaseException as e:
             self.machine.set_state(previous, reason=getattr(e, "message", None) or str(e))
             raise
-        self._gpu_state = None
+        self.gpu_memory.state = None
         self.tier = None
         self.suspended_at = None
         self.last_resume_seconds = time.monotonic() - t0
