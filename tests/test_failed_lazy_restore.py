@@ -99,6 +99,9 @@ async def test_a_failed_lazy_restore_answers_the_cell_and_says_what_is_lost(
 
     _, k = await api("GET", "kernels", kid)
     assert k["state"] == "failed" and k["reason"] == text, k
+    # The busy process is gone: the server no longer takes the kernel for busy, which
+    # would keep the next resume from confirming IOPub before its cell goes.
+    assert jp_serverapp.kernel_manager.get_kernel(kid).execution_state == "idle"
     cause = "killed by SIGKILL" if failure == "page server killed" else "checksum mismatch"
     assert cause in text, text
     failed = [e for e in events if e["kernel_id"] == kid and e["action"] == "failed"]

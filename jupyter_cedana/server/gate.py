@@ -387,6 +387,11 @@ class MessageGate:
         each, so that no cell waits forever, saying what happened and what was lost."""
         unanswered = self._unanswered.pop(kid, {})
         self._delivered.pop(kid, None)
+        with contextlib.suppress(KeyError):
+            # What the server last heard from the process that is gone: a "busy" kept
+            # would make the next resume's IOPub nudge skip this kernel (jupyter_server
+            # does not nudge a busy kernel), and a cell's output could then be lost.
+            self.kernel_manager.get_kernel(kid).execution_state = "idle"
         if unanswered:
             self.log.error("Kernel %s failed with %d requests unanswered", kid, len(unanswered))
         for conn, msg in unanswered.values():
