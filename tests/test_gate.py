@@ -221,6 +221,24 @@ def stopped(jp_serverapp: Any, kid: str) -> Any:
                 os.kill(pid, signal.SIGCONT)
 
 
+async def suspended_and_cut_off(
+    api: Any, new_kernel: Any, connect: Any, jp_serverapp: Any, channel: str
+) -> tuple[str, Any, Any, Callable[[], None]]:
+    """A kernel with one client that ran `greeting = 'hi'`, suspended, whose server-side
+    `channel` socket of that client is disconnected and reconnects only when the returned
+    callable is called: (kernel id, client, the channel's stream, reconnect)."""
+    kid = await new_kernel()
+    client = await connect(kid)
+    await client.run("greeting = 'hi'")
+    await api("POST", "kernels", kid, "suspend")
+    (conn,) = gate(jp_serverapp).connections(kid)
+    stream = conn.channels[channel]
+    info = jp_serverapp.kernel_manager.get_kernel(kid).get_connection_info()
+    url = f"{info['transport']}://{info['ip']}:{info[channel + '_port']}"
+    stream.socket.disconnect(url)  # no reconnect until the test connects it again
+    return kid, client, stream, lambda: stream.socket.connect(url)
+
+
 def idle_for_hours(jp_serverapp: Any, kid: str) -> None:
     """The policy sees the kernel idle far past its timeout (no waiting for a clock)."""
     m = manager(jp_serverapp)
@@ -405,16 +423,10 @@ async def test_a_held_cell_waits_for_stdin_to_reconnect(
     from jupyter_cedana.server import links, websocket
 
     monkeypatch.setattr(websocket, "STDIN_RECONNECT_TIMEOUT", 600.0)
-    kid = await new_kernel()
-    client = await connect(kid)
-    await client.run("greeting = 'hi'")
-    await api("POST", "kernels", kid, "suspend")
+    kid, client, stdin, reconnect = await suspended_and_cut_off(
+        api, new_kernel, connect, jp_serverapp, "stdin"
+    )
     g = gate(jp_serverapp)
-    (conn,) = g.connections(kid)
-    stdin = conn.channels["stdin"]
-    info = jp_serverapp.kernel_manager.get_kernel(kid).get_connection_info()
-    url = f"{info['transport']}://{info['ip']}:{info['stdin_port']}"
-    stdin.socket.disconnect(url)  # no reconnect until the test connects it again
 
     cell = client.execute("name = input('who? '); print(greeting, name)")
     await until(lambda: state(jp_serverapp, kid) == "running", "the resume")
@@ -423,7 +435,7 @@ async def test_a_held_cell_waits_for_stdin_to_reconnect(
     assert [m for _, m in g._held.get(kid, [])] and not links.connected(stdin)
     assert not [m for m in client.received if m["parent_header"].get("msg_id") == cell]
 
-    stdin.socket.connect(url)
+    reconnect()
     got = await client.answer(cell, stdin="bob")
     assert got["reply"]["content"]["status"] == "ok" and got["stdout"] == "hi bob\n"
     assert [m["content"]["prompt"] for m in got["msgs"] if m["msg_type"] == "input_request"]
@@ -435,16 +447,10 @@ async def test_a_cell_sent_right_after_a_rest_resume_waits_for_iopub(
     """Resumed by REST with nothing held, the kernel runs before each client's IOPub has
     reconnected; a cell sent then would publish its output to nobody. The gate holds it
     until that client's IOPub is back. Here the test keeps IOPub away until it lets it go."""
-    kid = await new_kernel()
-    client = await connect(kid)
-    await client.run("greeting = 'hi'")
-    await api("POST", "kernels", kid, "suspend")
+    kid, client, _, reconnect = await suspended_and_cut_off(
+        api, new_kernel, connect, jp_serverapp, "iopub"
+    )
     g = gate(jp_serverapp)
-    (conn,) = g.connections(kid)
-    iopub = conn.channels["iopub"]
-    info = jp_serverapp.kernel_manager.get_kernel(kid).get_connection_info()
-    url = f"{info['transport']}://{info['ip']}:{info['iopub_port']}"
-    iopub.socket.disconnect(url)  # no reconnect until the test connects it again
 
     await api("POST", "kernels", kid, "resume")
     assert state(jp_serverapp, kid) == "running"
@@ -454,7 +460,7 @@ async def test_a_cell_sent_right_after_a_rest_resume_waits_for_iopub(
     )
     assert kid in g._releasing  # confirming the client's IOPub
 
-    iopub.socket.connect(url)
+    reconnect()
     got = await client.answer(cell)
     assert got["reply"]["content"]["status"] == "ok" and got["stdout"] == "hi\n", got
 
