@@ -261,6 +261,11 @@ async def test_the_extension_wires_the_agent_and_its_stop_ends_a_probe_in_flight
     ca = CheckpointAgent.instance()
     engine = CheckpointEngine.instance()
     assert engine.probe_through == ca.probe  # wired as the extension started
+    # A probe on a running loop never waits for the agent: its first answer comes from
+    # the background (which a loaded machine may not have finished), or from asking now.
+    assert (await ca.refresh()).available
+    if _refreshes():
+        await asyncio.wait(_refreshes())
     assert engine.probe().available
     ca.probe_ttl = 0.0
     with stopped(agent):
