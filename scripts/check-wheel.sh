@@ -102,6 +102,10 @@ for helper in cedana-init cedana-pages cedana-cuda; do
   [ "$rc" = 2 ] && grep -q "^usage: $helper" <<<"$usage" \
     || fail "$exe did not run (exit $rc): $usage"
 done
+digests=$(in_venv python -c \
+  'from jupyter_cedana.checkpoint import digests; print(digests.native_digests() is not None)') \
+  || fail "the page digests do not import"
+[ "$digests" = True ] || fail "the wheel's libcedana-digest.so does not load"
 engine_init=$(in_venv python -c \
   'from jupyter_cedana.checkpoint.engine import CheckpointEngine; print(CheckpointEngine.instance().init_binary())') \
   || fail "the checkpoint engine finds no cedana-init"

@@ -34,7 +34,8 @@ from pathlib import Path
 from typing import Any
 
 from .crimg import PAGE_SIZE, ImageError, decode
-from .incremental import DIGEST_SIZE, DeltaResult, DeltaStream, PageIndex, finish_delta, page_digest
+from .digests import DIGEST_SIZE, page_digests
+from .incremental import DeltaResult, DeltaStream, PageIndex, finish_delta
 from .integrity import (
     CHUNK_SIZE,
     ChunkHasher,
@@ -386,20 +387,18 @@ class ImageCapture:
         sink.buf = None
 
     def _hand_delta(self, sink: _Sink, base: PageIndex) -> None:
-        """On a base: each whole page of the buffer hashed (on two threads: hashlib lets
-        go of the GIL), the pages the base has nowhere dropped from it, the rest packed
-        to its front and written after what the file holds."""
+        """On a base: each whole page of the buffer hashed (each half on its own thread:
+        the digests are one call that lets go of the GIL), the pages the base has
+        nowhere dropped from it, the rest packed to its front and written after what the
+        file holds."""
         assert sink.buf is not None and self._hashers is not None
         buf, n = sink.buf, sink.fill
         whole = n - n % PAGE_SIZE
         sink.carry = bytes(buf[whole:n])  # put at the start of the next buffer
         view = memoryview(buf)
         pages = whole // PAGE_SIZE
-        half = pages // 2
-        parts = self._hashers.map(
-            lambda r: b"".join(page_digest(view[i * PAGE_SIZE : (i + 1) * PAGE_SIZE]) for i in r),
-            (range(0, half), range(half, pages)),
-        )
+        half = pages // 2 * PAGE_SIZE
+        parts = self._hashers.map(page_digests, (view[:half], view[half:whole]))
         digests = b"".join(parts)
         known = base.where
         kept = bytes(

@@ -15,7 +15,6 @@ and the directory links to its base (`parent`), as CRIU's `--prev-images-dir` do
 from __future__ import annotations
 
 import bisect
-import hashlib
 import json
 import os
 import struct
@@ -38,23 +37,16 @@ from .crimg import (
     pids,
     read_pagemap_entry,
 )
+from .digests import DIGEST_SIZE, page_digests
 
 PARENT_LINK = "parent"  # CRIU's name for the link to the previous image (CR_PARENT_LINK)
 INDEX_NAME = "page-index.bin"
 MANIFEST_NAME = "manifest.json"  # checkpoint.MANIFEST (not imported: that module is heavier)
-DIGEST_SIZE = 16
 # 2: the index names the image it was made of (its manifest's `created`).
 _INDEX_MAGIC = b"CDNPIDX2"
 _TOKEN = struct.Struct("<32s")
 _RECORD = struct.Struct("<IQ16s")  # pid, vaddr, digest
 _READ_PAGES = 1024  # pages read at once while indexing
-
-
-def page_digest(page: bytes | memoryview) -> bytes:
-    """SHA-256 (hardware-assisted on x86's SHA extensions: 0.9-1.4 GB/s a core where
-    BLAKE2b runs at 0.5) cut to 128 bits: strong enough that equal digests mean equal
-    pages, unlike the CRC-32 that guards against damage."""
-    return hashlib.sha256(page).digest()[:DIGEST_SIZE]
 
 
 @dataclass
@@ -96,8 +88,11 @@ class PageIndex:
         for pid in pids(images):
             for run in pagemap(images, pid):
                 if run.present:
-                    for vaddr, page in _run_pages(images, run):
-                        index.add(pid, vaddr, page_digest(page))
+                    for vaddr, data in _run_blocks(images, run):
+                        digests = page_digests(data)
+                        for i in range(len(data) // PAGE_SIZE):
+                            own = digests[i * DIGEST_SIZE : (i + 1) * DIGEST_SIZE]
+                            index.add(pid, vaddr + i * PAGE_SIZE, own)
                 elif run.flags & PE_PARENT:
                     if base is None:
                         raise ImageError(f"{images.name}: pages in a parent, and no parent")
@@ -174,7 +169,8 @@ def _parent_of(images: Path) -> Path | None:
     return (images / os.readlink(link)).resolve() if link.is_symlink() else None
 
 
-def _run_pages(images: Path, run: PageRun) -> Iterable[tuple[int, bytes]]:
+def _run_blocks(images: Path, run: PageRun) -> Iterable[tuple[int, bytes]]:
+    """A run's pages, up to _READ_PAGES at a time, each block with its first address."""
     with open(images / run.pages_file, "rb", buffering=0) as f:
         done = 0
         while done < run.pages:
@@ -182,8 +178,7 @@ def _run_pages(images: Path, run: PageRun) -> Iterable[tuple[int, bytes]]:
             data = os.pread(f.fileno(), take * PAGE_SIZE, run.offset + done * PAGE_SIZE)
             if len(data) != take * PAGE_SIZE:
                 raise ImageError(f"{run.pages_file} is shorter than its page map says")
-            for i in range(take):
-                yield run.vaddr + (done + i) * PAGE_SIZE, data[i * PAGE_SIZE : (i + 1) * PAGE_SIZE]
+            yield run.vaddr + done * PAGE_SIZE, data
             done += take
 
 
