@@ -5,13 +5,13 @@ before its image is committed until it is resumed or shut down, so suspended ker
 survive any end of their server, SIGKILL and reboots included. When the server stops
 politely (SIGTERM, SIGINT with or without a terminal, /api/shutdown, a JupyterHub stop or
 cull), every other kernel under cedana-provisioner is checkpointed to disk too, instead
-of killed: running kernels are dumped (their disk reserved in the checkpoint budget as
-the policy's suspends do), GPU-offloaded ones go to disk, suspended ones keep their image
-and get their record brought up to date (sessions, replies). Then the kernel is detached
-from the server, so the normal kernel shutdown neither kills anything nor deletes its
-image. A kernel that cannot be parked within the deadline is shut down as before, with
-the reason in the log; a committed image is never deleted because its record could not
-be written.
+of killed (kernel_parker.py, a few kernels at a time): running kernels are dumped (their
+disk reserved in the checkpoint budget as the policy's suspends do), GPU-offloaded ones
+go to disk, suspended ones keep their image and get their record brought up to date
+(sessions, replies). Then the kernel is detached from the server, so the normal kernel
+shutdown neither kills anything nor deletes its image. A kernel that cannot be parked
+within the deadline is shut down as before, with the reason in the log; a committed image
+is never deleted because its record could not be written.
 
 The next server on the same checkpoint root, with the same identity (by default the same
 root_dir), adopts every valid record before it serves requests (adoption.py): the kernel
@@ -32,14 +32,12 @@ from traitlets import Any as AnyTrait
 from traitlets import Bool, Float, Integer, Unicode
 from traitlets.config import LoggingConfigurable
 
-from ..checkpoint.dumping import tree_rss
 from ..checkpoint.parkrecords import ParkingLock, set_server_facts, wait_for_parkers
-from ..errors import CedanaError, Conflict, SuspendFailed
-from ..timestamps import iso
+from ..errors import CedanaError
 from .adoption import PROVISIONER, Adopter
 from .kernel.checkpoint_agent import agent_for
 from .kernel.provisioner import CedanaProvisioner, KernelState
-from .limits import estimate_image_bytes, gpu_bytes
+from .kernel_parker import GIVEN_BACK, IMAGE_KEPT, KernelParker
 
 __all__ = ["KernelParking"]
 
@@ -336,12 +334,13 @@ class KernelParking(LoggingConfigurable):
             "jupyter-cedana: parking %d kernel(s) (deadline %.0f s)", len(candidates), self.deadline
         )
         lock = ParkingLock(self._store)
+        parker = KernelParker(self.manager, self.log)
         try:
-            candidates.sort(key=lambda c: self._dump_cost(c[0], c[2]))
+            candidates.sort(key=lambda c: parker.dump_cost(c[0], c[2]))
             slots = asyncio.Semaphore(max(1, self.concurrency))
             recording: set[str] = set()
             tasks = {
-                kid: asyncio.ensure_future(self._park_one(kid, km, prov, slots, recording))
+                kid: asyncio.ensure_future(parker.park(kid, km, prov, slots, recording))
                 for kid, km, prov in candidates
             }
             await asyncio.wait(tasks.values(), timeout=self.deadline)
@@ -356,7 +355,7 @@ class KernelParking(LoggingConfigurable):
                     outcome[kid] = await task
                 except asyncio.CancelledError:
                     km, prov = next((k, p) for i, k, p in candidates if i == kid)
-                    outcome[kid] = await self._give_back(kid, km, prov, late) or late
+                    outcome[kid] = await parker.give_back(kid, km, prov, late) or late
                 except CedanaError as e:
                     outcome[kid] = e.message
                 except Exception as e:
@@ -364,7 +363,7 @@ class KernelParking(LoggingConfigurable):
         finally:
             lock.release()
         for kid, what in outcome.items():
-            if what not in ("parked", _IMAGE_KEPT) and not what.startswith(_GIVEN_BACK):
+            if what not in ("parked", IMAGE_KEPT) and not what.startswith(GIVEN_BACK):
                 # A suspend's refusal says the kernel keeps running: at stop it does not.
                 what = _RUNS_ON.sub("", what).rstrip(" .;,")
                 self.log.warning(
@@ -376,57 +375,11 @@ class KernelParking(LoggingConfigurable):
                 outcome[kid] = what
         self.log.info(
             "jupyter-cedana: parked %d of %d kernel(s) in %.2f s",
-            sum(1 for w in outcome.values() if w == "parked" or w.startswith(_GIVEN_BACK)),
+            sum(1 for w in outcome.values() if w == "parked" or w.startswith(GIVEN_BACK)),
             len(outcome),
             time.monotonic() - t0,
         )
         return outcome
-
-    async def _give_back(self, kid: str, km: Any, prov: CedanaProvisioner, late: str) -> str | None:
-        """A kernel being restored from its image when the deadline came: its image and
-        record are complete, so it is parked as it was at that checkpoint, rather than
-        shut down with its image deleted. A whole restore is abandoned (the kernel has
-        not run since its suspend: nothing is lost); a kernel whose memory was still
-        coming in (a lazy restore) is stopped, and what it did since its resume is lost.
-        The outcome, or None when the kernel has no complete image to go back to."""
-        if prov.transition_in_flight == "resume" and self._store.exists(kid):
-            await prov.abort_transition("the server is stopping")  # back to suspended
-            if not self._on_disk(kid, prov):
-                return None
-            self.log.info("jupyter-cedana: kernel %s: its restore was abandoned: %s", kid, late)
-            return await self._park_one(kid, km, prov, asyncio.Semaphore(1), set())
-        loading = prov.memory_loading
-        if loading is None or prov.records.held is None or not self._store.exists(kid):
-            return None
-        resumed = prov.resumed_at
-        # The load kills the kernel and keeps its image (state failed), with this reason.
-        loading.cancel("the server stopped before its memory was all in")
-        with contextlib.suppress(BaseException):
-            await loading
-        if not self._on_disk(kid, prov):
-            return None
-        taken = self._store.read_manifest(kid).get("created")
-        try:
-            record = await prov.record()
-            # The next server says what was lost (adoption.py: _rolled_back).
-            record["resumed_at"] = resumed
-            await asyncio.to_thread(prov.records.hold, record)
-        except Exception as e:
-            self.log.warning(
-                "jupyter-cedana: kernel %s: its record could not be brought up to date (%s); "
-                "it is parked with the record written when it was resumed",
-                kid,
-                e,
-            )
-        self._detach(kid, km, prov)
-        what = (
-            f"{_GIVEN_BACK} ({late} while its memory was coming in from its image): it was "
-            f"stopped, and its image and record are kept; the next server gives it back as "
-            f"it was at its checkpoint taken at {iso(taken)}, and what it did after its "
-            f"resume at {iso(resumed)} is lost"
-        )
-        self.log.warning("jupyter-cedana: kernel %s %s", kid, what)
-        return what
 
     async def _server_facts(self, kid: str) -> dict[str, Any]:
         """This server's part of a kernel's record (parkrecords.server_facts)."""
@@ -452,119 +405,5 @@ class KernelParking(LoggingConfigurable):
             if (m.get("kernel") or {}).get("id") == kid
         ]
 
-    async def _park_one(
-        self,
-        kid: str,
-        km: Any,
-        prov: CedanaProvisioner,
-        slots: asyncio.Semaphore,
-        recording: set[str],
-    ) -> str:
-        t0 = time.monotonic()
-        try:
-            if not self._on_disk(kid, prov):
-                async with slots:
-                    await self._to_disk(kid, km, prov)
-        except asyncio.CancelledError:
-            if not self._on_disk(kid, prov):
-                raise
-            # The deadline came just as the image was committed: park it all the same.
-        # The kernel's only copy is its image now: no cancelling from here on.
-        recording.add(kid)
-        kept = await self._update_record(kid, prov)
-        self._detach(kid, km, prov)
-        if not kept:
-            return _IMAGE_KEPT
-        self.log.info(
-            "jupyter-cedana: parked kernel %s (%.1f MB image) in %.2f s",
-            kid,
-            prov.checkpoint_bytes / 1e6,
-            time.monotonic() - t0,
-        )
-        return "parked"
 
-    async def _update_record(self, kid: str, prov: CedanaProvisioner) -> bool:
-        """Bring the record of a kernel on disk up to date (sessions, replies, last
-        activity); False when it has no record and none could be written (its image is
-        kept all the same). Never a reason to delete the image."""
-        try:
-            record = await prov.record()
-            await asyncio.to_thread(prov.records.hold, record)
-            return True
-        except Exception as e:
-            error = e
-        image = self._store.path(kid)
-        if prov.records.held is not None:
-            self.log.warning(
-                "jupyter-cedana: kernel %s: its record could not be brought up to date (%s); "
-                "it is parked with the record written when it was suspended (sessions and "
-                "replies as they were then)",
-                kid,
-                error,
-            )
-            return True
-        why = (
-            f"its image is kept at {image}, but its record could not be written ({error}): "
-            "no server can adopt it; free space on the checkpoint disk and see "
-            "'jupyter cedana gc' for the image"
-        )
-        self.log.error("jupyter-cedana: kernel %s not parked: %s", kid, why)
-        prov.note_reason(why)
-        return False
-
-    def _dump_cost(self, kid: str, prov: CedanaProvisioner) -> int:
-        """Bytes a kernel's parking must write: none for an image already on disk."""
-        if self._on_disk(kid, prov):
-            return 0
-        return tree_rss(prov.pid) if prov.pid else 0
-
-    def _on_disk(self, kid: str, prov: CedanaProvisioner) -> bool:
-        """Whether the kernel's whole state is in a committed image, with no process (a
-        failed resume keeps its image: it is parked as it is)."""
-        at_rest = (prov.state == KernelState.suspended and prov.tier == "disk") or (
-            prov.state == KernelState.failed
-        )
-        image = prov.holds_image if prov.remote is not None else self._store.exists(kid)
-        return at_rest and prov.transition_in_flight is None and image
-
-    async def _to_disk(self, kid: str, km: Any, prov: CedanaProvisioner) -> None:
-        """Dump a running or GPU-offloaded kernel into a committed image, its disk
-        reserved first in the checkpoint budget as the policy's suspends do (a suspend in
-        flight reserved its own)."""
-        manager = self.manager
-        manager.provisioner_of(km)  # the budget's check of the image before its commit
-        reserve = prov.transition_in_flight is None
-        if reserve:
-            pid = prov.pid or 0
-            manager.budget.reserve(
-                kid, estimate_image_bytes(pid, gpu_bytes(pid, manager.gpu_monitor, 0))
-            )
-        try:
-            await prov.suspend("disk")  # waits for a transition in flight first
-        except Conflict:
-            if not self._on_disk(kid, prov):
-                raise
-        finally:
-            if reserve:
-                manager.budget.release(kid)
-        if not self._on_disk(kid, prov):
-            raise SuspendFailed(f"kernel {kid} has no image after its suspend ({prov.state})")
-
-    def _detach(self, kid: str, km: Any, prov: CedanaProvisioner) -> None:
-        """Take a parked kernel out of the server, so that the shutdown of the remaining
-        kernels neither restarts, kills nor deletes anything of it."""
-        mkm = self._mkm
-        km.stop_restarter()
-        for step in (mkm.stop_watching_activity, mkm.stop_buffering):
-            with contextlib.suppress(Exception):
-                step(kid)
-        mkm.remove_kernel(kid)
-        with contextlib.suppress(Exception):
-            km.cleanup_connection_file()
-        prov.port_hold.release()
-        prov.records.release()  # for the next server to take
-
-
-_IMAGE_KEPT = "image kept, no record"
-_GIVEN_BACK = "parked at its checkpoint"
 _RUNS_ON = re.compile(r"[;,]? (and )?the kernel keeps running|\(the kernel keeps running\)")
