@@ -391,7 +391,7 @@ def test_the_record_writer_names_its_file_only_once_locked(tmp_path: Path) -> No
     """The name a record write's temporary file carries while it is written is already
     locked: seen from outside at the rename over the record (intercepted)."""
     from jupyter_cedana.checkpoint import parkrecords
-    from jupyter_cedana.checkpoint.store import writer_gone
+    from jupyter_cedana.checkpoint.durable import writer_gone
 
     store = CheckpointStore(tmp_path)
     store.ensure_root()

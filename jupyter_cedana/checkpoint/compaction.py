@@ -60,6 +60,7 @@ from .crimg import (
     pagemap_record,
     read_pagemap_entry,
 )
+from .durable import LOCKED_SUFFIX, fsync_path, replace_json_durably, writer_gone
 from .incremental import INDEX_NAME, manifest_token
 from .integrity import (
     CHUNK_SIZE,
@@ -71,14 +72,7 @@ from .integrity import (
     table_name,
     write_table,
 )
-from .store import (
-    LOCKED_SUFFIX,
-    MANIFEST,
-    CheckpointStore,
-    fsync_path,
-    replace_json_durably,
-    writer_gone,
-)
+from .store import MANIFEST, CheckpointStore
 
 HOLD_ENV = "JUPYTER_CEDANA_COMPACTION_HOLDS"
 STEPS = ("folding", "folded", "exchanged")

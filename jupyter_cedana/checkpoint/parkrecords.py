@@ -30,7 +30,8 @@ from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from .store import CheckpointStore, fsync_path, replace_json_durably, validate_kernel_id
+from .durable import fsync_path, replace_json_durably
+from .store import CheckpointStore, validate_kernel_id
 
 RECORDS = ".parked"
 RECORD_FORMAT = 1

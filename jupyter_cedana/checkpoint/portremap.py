@@ -28,8 +28,9 @@ from typing import Any
 
 from ..errors import CheckpointCorrupt
 from .crimg import ImageError, decode, read_varint, varint_bytes
+from .durable import fsync_path
 from .integrity import file_crc32
-from .store import CheckpointStore, fsync_path
+from .store import CheckpointStore
 
 FILES = "files.img"
 PENDING = FILES + ".remap"

@@ -4,7 +4,6 @@ renamed into place only when complete, with a manifest of sizes and checksums.""
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import os
 import re
@@ -19,6 +18,13 @@ from typing import Any
 from ..errors import CheckpointCorrupt, InvalidId, NotFound
 from ..timestamps import stamp
 from . import readahead
+from .durable import (
+    fsync_path,
+    lock_for_writing,
+    replace_json_durably,
+    stop_writing,
+    write_json_durably,
+)
 from .exchange import rename_exchange
 from .integrity import (
     CHUNK_SIZE,
@@ -48,75 +54,12 @@ ROOT_MARKER = ".jupyter-cedana"
 # Kernel ids are uuid4 strings in Jupyter; anything that could climb out of the root or
 # hide as a dot-file is refused before it is joined to a path.
 KERNEL_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,127}$")
-# A dump in progress is `.<id>.tmp-<pid>-<n>` until its writer holds an flock on the
-# directory, then `.<id>.tmp-<pid>-<n>.locked` for as long as it writes. The kernel drops
-# the lock of a writer that dies however it dies, so a lock that can be taken proves the
-# writer gone, where a PID cannot (in a container every server may be PID 1).
-LOCKED_SUFFIX = ".locked"
-# Descriptors holding the locks of this process's dumps in progress, by directory.
-_WRITING: dict[str, int] = {}
 
 
 def validate_kernel_id(kernel_id: str) -> str:
     if not isinstance(kernel_id, str) or not KERNEL_ID_RE.match(kernel_id):
         raise InvalidId(f"Invalid kernel id: {kernel_id!r}")
     return kernel_id
-
-
-def fsync_path(path: Path, directory: bool = False) -> None:
-    """fsync a file or a directory (a directory's fsync makes its entries durable)."""
-    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if directory else 0))
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_durably(path: Path, data: dict[str, Any], flags: int = os.O_TRUNC) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | flags, 0o600)
-    with os.fdopen(fd, "w") as f:
-        # Held until written: a temporary file nobody holds was left by a dead writer.
-        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-        json.dump(data, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def replace_json_durably(path: Path, data: dict[str, Any]) -> None:
-    """Write JSON under a temporary name, fsync it, rename it over `path` and fsync the
-    directory: readers see the old content or the new, whole, even after a crash."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{time.monotonic_ns()}")
-    try:
-        _write_durably(tmp, data, os.O_EXCL)
-        os.rename(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        raise
-    fsync_path(path.parent, directory=True)
-
-
-def _stop_writing(tmp: Path) -> None:
-    fd = _WRITING.pop(str(tmp), None)
-    if fd is not None:
-        os.close(fd)
-
-
-def writer_gone(path: Path) -> bool:
-    """Whether nobody holds the writer's lock of a dump directory or a temporary file
-    (its writer finished or died). False while it is held, or when it cannot be opened."""
-    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
-    try:
-        fd = os.open(path, flags)
-    except OSError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        return False
-    finally:
-        os.close(fd)
-    return True
 
 
 @dataclass
@@ -160,22 +103,12 @@ class CheckpointStore:
         self.ensure_root()
         start = self.root / f".{kernel_id}.tmp-{os.getpid()}-{time.monotonic_ns()}"
         start.mkdir(mode=0o700)
-        fd = os.open(start, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            tmp = start.with_name(start.name + LOCKED_SUFFIX)
-            os.rename(start, tmp)
-        except BaseException:
-            os.close(fd)
-            shutil.rmtree(start, ignore_errors=True)
-            raise
-        _WRITING[str(tmp)] = fd
-        return tmp
+        return lock_for_writing(start)
 
     def discard(self, tmp: Path) -> None:
         if tmp.parent == self.root and tmp.name.startswith("."):
             shutil.rmtree(tmp, ignore_errors=True)
-        _stop_writing(tmp)
+        stop_writing(tmp)
 
     def link_base(self, kernel_id: str, tmp: Path) -> Path | None:
         """The kernel's image (and its chain of bases), hard-linked into `tmp`/base for a
@@ -265,7 +198,7 @@ class CheckpointStore:
         timings = manifest.setdefault("timings", {})
         timings["checksum_s"] = checksum_s
         timings["fsync_s"] = time.monotonic() - t0 - checksum_s
-        _write_durably(tmp / MANIFEST, manifest)
+        write_json_durably(tmp / MANIFEST, manifest)
         fsync_path(tmp, directory=True)
         final = self.path(kernel_id)
         old = self.detach_image(kernel_id)
@@ -273,7 +206,7 @@ class CheckpointStore:
             shutil.rmtree(final)
             old = None
         os.rename(tmp, final)
-        _stop_writing(tmp)
+        stop_writing(tmp)
         os.chmod(final, 0o700)
         fsync_path(self.root, directory=True)
         if old is not None:
@@ -290,7 +223,7 @@ class CheckpointStore:
         final = self.path(kernel_id)
         rename_exchange(tmp, final)
         fsync_path(self.root, directory=True)
-        _stop_writing(tmp)  # its lock is on the directory now at `final`
+        stop_writing(tmp)  # its lock is on the directory now at `final`
         os.chmod(final, 0o700)
         doomed = self.root / f".{kernel_id}.del-{time.monotonic_ns()}"
         os.rename(tmp, doomed)
@@ -454,16 +387,6 @@ class CheckpointStore:
         if bad is not None:
             meta = layer["files"][plain]
             raise CheckpointCorrupt(self._bad_chunk_message(kernel_id, name, meta, bad))
-
-    def _bad_chunk(
-        self,
-        kernel_id: str,
-        manifest: dict[str, Any],
-        name: str,
-        advance: Callable[[int], None] | None,
-        only: set[int] | None = None,
-    ) -> int | None:
-        return self._bad_chunk_in(self.path(kernel_id), kernel_id, manifest, name, advance, only)
 
     def _bad_chunk_in(
         self,

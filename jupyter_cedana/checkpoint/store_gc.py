@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CheckpointCorrupt, NotFound
+from .durable import writer_gone
 from .parkrecords import (
     RECORD_FORMAT,
     RECORDS,
@@ -36,7 +37,7 @@ from .parkrecords import (
     parse_record,
     remove_record,
 )
-from .store import KERNEL_ID_RE, MANIFEST, ROOT_MARKER, CheckpointStore, writer_gone
+from .store import KERNEL_ID_RE, MANIFEST, ROOT_MARKER, CheckpointStore
 
 #: Whether a kernelspec of this name exists for the user running gc; None: cannot say.
 KernelspecKnown = Callable[[str], bool | None]
@@ -48,7 +49,7 @@ GC_MIN_AGE = 600.0
 _TMP_RE = re.compile(
     r"^\.(?P<kid>[A-Za-z0-9][A-Za-z0-9_-]*)\.tmp-(?P<pid>\d+)-\d+(?P<locked>\.locked)?$"
 )
-# A park record being written (checkpoint.replace_json_durably, parkrecords), locked by
+# A park record being written (durable.replace_json_durably, parkrecords), locked by
 # its writer from just after it is made until it is renamed into place.
 _RECORD_TMP_RE = re.compile(
     r"^\.(?P<kid>[A-Za-z0-9][A-Za-z0-9_-]*)\.json\.tmp-\d+-\d+(?P<locked>\.locked)?$"
