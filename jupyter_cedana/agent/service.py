@@ -4,9 +4,9 @@ Identity comes from the kernel, never from the request: the uid, gid and pid of 
 peer's socket are read once at accept, and every handler gets them as a `Caller`. A
 request field named uid, pid or anything alike is just an argument the handler ignores.
 
-Every connection is served by its own task, and everything it waits for is bounded (a
-frame's bytes, an idle connection, a client that does not read its replies), so a bad
-client holds its own connection and nothing else.
+Every connection is served by its own task (connection.py), and everything it waits for
+is bounded (a frame's bytes, an idle connection, a client that does not read its
+replies), so a bad client holds its own connection and nothing else.
 """
 
 from __future__ import annotations
@@ -26,8 +26,9 @@ from pathlib import Path
 from typing import Any
 
 from . import protocol
+from .connection import Connection, error_reply, linger_close
 from .kernels import KernelRecord, KernelTable, State
-from .protocol import AgentError, FrameError
+from .protocol import AgentError
 
 log = logging.getLogger("jupyter_cedana.agent")
 
@@ -345,7 +346,7 @@ class Service:
         refusal = self._admit(caller)
         if refusal is not None:
             with contextlib.suppress(Exception):
-                writer.write(protocol.encode(_error(None, refusal), self.limits.max_response))
+                writer.write(protocol.encode(error_reply(None, refusal), self.limits.max_response))
                 # Lingering holds a descriptor: under a flood, refuse without it, so that
                 # refused connections cannot use up the agent's descriptors.
                 if self._lingering < MAX_LINGERING:
@@ -406,131 +407,3 @@ class Service:
 OUTPUT_CHECK_SECONDS = 1.0
 LINGER_SECONDS = 1.0
 MAX_LINGERING = 64
-
-
-async def linger_close(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-    """Ends our side after a last error reply, and reads (and drops) what the client still
-    sends for a moment: closing outright would make the client's write in flight fail
-    with EPIPE, and its reader drop the reply that says why."""
-    with contextlib.suppress(Exception):
-        await asyncio.wait_for(writer.drain(), LINGER_SECONDS)
-        if writer.can_write_eof():
-            writer.write_eof()
-        async with asyncio.timeout(LINGER_SECONDS):
-            while await reader.read(65536):
-                pass
-
-
-def _error(request_id: int | None, error: AgentError) -> dict[str, Any]:
-    return {"id": request_id, "ok": False, "error": error.to_json()}
-
-
-class Connection:
-    def __init__(
-        self,
-        service: Service,
-        caller: Caller,
-        reader: asyncio.StreamReader,
-        writer: asyncio.StreamWriter,
-    ):
-        self.service = service
-        self.limits = service.limits
-        self.caller = caller
-        self.reader = reader
-        self.writer = writer
-        self._write_lock = asyncio.Lock()
-        self._inflight: dict[asyncio.Task[Any], Any] = {}  # task -> its op
-        self._slots = asyncio.Semaphore(self.limits.max_inflight)
-
-    def _forget(self, task: asyncio.Task[Any]) -> None:
-        self._inflight.pop(task, None)
-
-    async def send(self, obj: dict[str, Any]) -> None:
-        try:
-            frame = protocol.encode(obj, self.limits.max_response)
-        except AgentError as e:
-            frame = protocol.encode(_error(obj.get("id"), e), self.limits.max_response)
-        async with self._write_lock:
-            self.writer.write(frame)
-            try:
-                await asyncio.wait_for(self.writer.drain(), self.limits.write_timeout)
-            except TimeoutError:
-                # A client that does not read its replies: cut it off.
-                self.writer.transport.abort()
-                raise ConnectionResetError("client does not read its replies") from None
-
-    async def _next_frame(self) -> dict[str, Any] | None:
-        """The next request; None when the client closed or stayed idle too long."""
-        read = asyncio.ensure_future(
-            protocol.read_frame(self.reader, self.limits.max_request, self.limits.frame_timeout)
-        )
-        try:
-            while True:
-                done, _ = await asyncio.wait({read}, timeout=self.limits.idle_timeout)
-                if done:
-                    return read.result()
-                if not self._inflight:
-                    await self.send(
-                        _error(
-                            None,
-                            AgentError(
-                                "timeout", f"idle for {self.limits.idle_timeout:g} s: closed"
-                            ),
-                        )
-                    )
-                    return None
-        finally:
-            read.cancel()
-
-    async def run(self) -> None:
-        try:
-            while True:
-                try:
-                    request = await self._next_frame()
-                except FrameError as e:
-                    await self.send(_error(None, e))
-                    await linger_close(self.reader, self.writer)
-                    return
-                if request is None:
-                    return
-                request_id = request.get("id")
-                if not isinstance(request_id, int) or isinstance(request_id, bool):
-                    await self.send(
-                        _error(None, AgentError("bad_request", "request id must be an integer"))
-                    )
-                    await linger_close(self.reader, self.writer)
-                    return
-                await self._slots.acquire()
-                task = asyncio.ensure_future(self._handle(request_id, request))
-                self._inflight[task] = request.get("op")
-                task.add_done_callback(self._forget)
-        except (ConnectionError, asyncio.IncompleteReadError):
-            pass
-        finally:
-            # The client is gone: its requests' results have nobody to go to. Ops that
-            # change a kernel finish anyway (a half-done dump is worse than a late one).
-            for task, op in list(self._inflight.items()):
-                if op in self.service.cancellable:
-                    task.cancel()
-            if self._inflight:
-                await asyncio.gather(*self._inflight, return_exceptions=True)
-
-    async def _handle(self, request_id: int, request: dict[str, Any]) -> None:
-        async def progress(update: dict[str, Any]) -> None:
-            with contextlib.suppress(ConnectionError):
-                await self.send({"id": request_id, "progress": update})
-
-        try:
-            result = await self.service.dispatch(self.caller, request, progress)
-            reply: dict[str, Any] = {"id": request_id, "ok": True, "result": result}
-        except AgentError as e:
-            reply = _error(request_id, e)
-        except Exception:
-            log.exception("op %r of uid %d failed", request.get("op"), self.caller.uid)
-            reply = _error(
-                request_id, AgentError("failed", "internal error in the agent (see its log)")
-            )
-        finally:
-            self._slots.release()
-        with contextlib.suppress(ConnectionError):
-            await self.send(reply)
