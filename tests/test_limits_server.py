@@ -145,7 +145,7 @@ def due(mgr: Any, kid: str) -> Callable[[], Awaitable[bool]]:
 
 def settled(mgr: Any, kid: str) -> Callable[[], Awaitable[bool]]:
     async def check() -> bool:
-        return not any(key.startswith(kid) for key in mgr._tasks)
+        return not mgr.transition_pending(kid)
 
     return check
 
@@ -386,7 +386,7 @@ async def test_a_kernel_that_cannot_be_checkpointed_is_not_dumped_at_every_check
 
     for _ in range(3):
         await mgr.check()
-    assert not any(key.startswith(kid) for key in mgr._tasks)
+    assert not mgr.transition_pending(kid)
     await saw(events, kid, attempt)  # not frozen and dumped again
 
     # A manual suspend still tries, and says why it failed.

@@ -23,7 +23,6 @@ from ..checkpoint.proctree import process_tree
 from ..checkpoint.store import validate_kernel_id
 from ..checkpoint.store_gc import recorded_kernel_ids
 from ..errors import CedanaError, Conflict, EngineUnavailable, InsufficientStorage, NotFound
-from ..timestamps import Stamp, stamp
 from . import metrics
 from .backoff import SuspendBackoff
 from .kernel.bases import drop_base, kept_bases
@@ -35,7 +34,9 @@ from .kernel_facts import between_processes, kernel_facts, touch
 from .kernel_view import kernel_view
 from .limits import Budget, SuspendLimits, TransitionQueue, estimate_image_bytes, gpu_bytes, settled
 from .policy import KernelFacts, SuspendPolicy, retention_ended, suspended_for
+from .retention import RetentionClock
 from .status import server_status
+from .transition_tasks import TransitionTasks
 
 MAX_KEEP_AWAKE = 7 * 24 * 3600
 
@@ -65,13 +66,10 @@ class SuspendManager(LoggingConfigurable):
         super().__init__(**kwargs)
         self._attached: set[int] = set()
         self._keep_awake: dict[str, float] = {}
-        # When each kernel's retention began, on the boot clock: (the provisioner's
-        # suspended_at it goes with, or None for a failure without one, and the stamp).
-        self._retention_since: dict[str, tuple[float | None, Stamp]] = {}
+        self.retention_clock = RetentionClock(lambda: self.engine.store)
         self._gpus: dict[str, list[Any]] = {}
         self._gpus_before_suspend: dict[str, int] = {}
         self._asked: set[str] = set()  # kernels a person asked to suspend
-        self._tasks: dict[str, asyncio.Task[Any]] = {}
         self._loop_task: asyncio.Task[None] | None = None
         self._last_tick = time.monotonic()
         self.events = KernelEvents(self.log, lambda: self.event_logger)
@@ -79,6 +77,11 @@ class SuspendManager(LoggingConfigurable):
         # Every resume is something a person did (a cell, Resume): not idle since.
         self.on_resumed(lambda kid: touch(self.kernel_manager, kid))
         self.queue = TransitionQueue(self.limits)
+        self.in_flight = TransitionTasks(
+            self.queue,
+            self.log,
+            lambda kid, kind: self._emit(kid, "queued", self.state_of(kid), None, reason=kind),
+        )
         self.budget = Budget(
             store=lambda: self.engine.store,
             limit=lambda: self.policy.max_checkpoint_bytes,
@@ -106,28 +109,8 @@ class SuspendManager(LoggingConfigurable):
         owned |= recorded_kernel_ids(self.engine.store)
         return owned
 
-    def retention_since(self, kernel_id: str, prov: CedanaProvisioner) -> Stamp | float | None:
-        """When the kernel's retention began: its suspend, or for a failed kernel that
-        has none, its failure; on the boot clock where this server saw it or the image's
-        manifest says, else on the wall clock alone (policy.suspended_for)."""
-        seen = self._retention_since.get(kernel_id)
-        if prov.suspended_at:
-            if seen is not None and seen[0] == prov.suspended_at:
-                return seen[1]
-            if prov.tier == "disk":
-                with contextlib.suppress(CedanaError, OSError, ValueError):
-                    made = self.engine.store.read_manifest(kernel_id).get("created_clock")
-                    found = Stamp.from_json(made)
-                    if found is not None:
-                        self._retention_since[kernel_id] = (prov.suspended_at, found)
-                        return found
-            return float(prov.suspended_at)
-        if prov.state == KernelState.failed and seen is not None and seen[0] is None:
-            return seen[1]
-        return None
-
     def suspended_seconds(self, kernel_id: str, prov: CedanaProvisioner) -> float:
-        since = self.retention_since(kernel_id, prov)
+        since = self.retention_clock.since(kernel_id, prov)
         return suspended_for(since, self.policy.retention)
 
     def add_suspend_guard(self, guard: Any) -> None:
@@ -140,7 +123,7 @@ class SuspendManager(LoggingConfigurable):
 
     def transition_pending(self, kernel_id: str) -> bool:
         """Whether a suspend or resume of the kernel is started and not finished."""
-        return any(k.startswith(f"{kernel_id}:") for k in self._tasks)
+        return self.in_flight.pending(kernel_id)
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -165,8 +148,8 @@ class SuspendManager(LoggingConfigurable):
                 await self._loop_task
             self._loop_task = None
         await self.compactor().stop()  # short of the exchange: the chains stay
-        self._cancel_queued(lambda kid: True)
-        in_flight = list(self._tasks.values())
+        self.in_flight.cancel_queued(lambda kid: True)
+        in_flight = self.in_flight.all()
         if in_flight:
             await asyncio.wait(in_flight, timeout=max(0.0, deadline))
 
@@ -359,47 +342,23 @@ class SuspendManager(LoggingConfigurable):
     async def _transition(
         self, kernel_id: str, kind: str, start: Callable[[], Awaitable[Any]], wait: bool
     ) -> tuple[dict[str, Any], bool]:
-        key = f"{kernel_id}:{kind}"
-        task = self._tasks.get(key)
-        if task is None:
-            task = asyncio.ensure_future(self._limited(kernel_id, kind, start))
-            self._tasks[key] = task
+        def done(t: asyncio.Task[Any]) -> None:
+            if kind == "suspend":
+                self._asked.discard(kernel_id)
+            if not t.cancelled() and t.exception() is not None and not wait:
+                self.log.warning("Background %s:%s failed: %s", kernel_id, kind, t.exception())
 
-            def done(t: asyncio.Task[Any], key: str = key) -> None:
-                self._tasks.pop(key, None)
-                if kind == "suspend":
-                    self._asked.discard(kernel_id)
-                if not t.cancelled() and t.exception() is not None and not wait:
-                    self.log.warning("Background %s failed: %s", key, t.exception())
-
-            task.add_done_callback(done)
+        task = self.in_flight.start(kernel_id, kind, start, done)
         if not wait:
             await asyncio.sleep(0)  # let the transition mark its state
             return self.view(kernel_id), task.done()
         await settled(task, f"The {kind} of kernel {kernel_id}")
         return self.view(kernel_id), True
 
-    async def _limited(self, kernel_id: str, kind: str, start: Callable[[], Awaitable[Any]]) -> Any:
-        """Run a transition once one of the `kind` slots is free (SuspendLimits)."""
-
-        def queued(ahead: int) -> None:
-            self.log.info("Kernel %s: %s queued behind %d others", kernel_id, kind, ahead)
-            self._emit(kernel_id, "queued", self.state_of(kernel_id), None, reason=kind)
-
-        return await self.queue.run(kernel_id, kind, start, queued)
-
-    def _cancel_queued(self, which: Callable[[str], bool]) -> None:
-        """Cancel transitions still waiting for a slot, of the kernels `which` selects."""
-        for kid, kind in self.queue.waiting():
-            task = self._tasks.get(f"{kid}:{kind}")
-            if task is not None and which(kid):
-                self.log.info("Kernel %s: queued %s cancelled", kid, kind)
-                task.cancel()
-
     async def ensure_running(self, kernel_id: str) -> None:
         """Wait for a transition in flight, then resume if the kernel is not running."""
-        for key in (f"{kernel_id}:suspend", f"{kernel_id}:resume"):
-            task = self._tasks.get(key)
+        for kind in ("suspend", "resume"):
+            task = self.in_flight.of(kernel_id, kind)
             if task is not None:
                 with contextlib.suppress(CedanaError):
                     await settled(task, f"The transition of kernel {kernel_id}")
@@ -429,10 +388,9 @@ class SuspendManager(LoggingConfigurable):
         ids = list(self.kernel_manager.list_kernel_ids())
         for gone in set(self._keep_awake) - set(ids):
             self._keep_awake.pop(gone, None)
-        for gone in set(self._retention_since) - set(ids):
-            self._retention_since.pop(gone, None)
+        self.retention_clock.forget_except(ids)
         self.backoff.forget_except(set(ids))
-        self._cancel_queued(lambda kid: kid not in ids)
+        self.in_flight.cancel_queued(lambda kid: kid not in ids)
         self._sample_gpus(ids)
         compactor = self.compactor()
         suspended = 0
@@ -499,30 +457,18 @@ class SuspendManager(LoggingConfigurable):
         if prov is None or prov.state == KernelState.running:
             return True
         return prov.state in (KernelState.suspended, KernelState.failed) and retention_ended(
-            self.policy.retention, self.retention_since(kernel_id, prov)
+            self.policy.retention, self.retention_clock.since(kernel_id, prov)
         )
 
     # -- events ---------------------------------------------------------------------------
 
     def _on_change(self, prov: CedanaProvisioner, what: str) -> None:
         if what == "state":
-            self._note_retention_start(prov)
+            self.retention_clock.note(prov)
         progress = prov.progress
         if what == "progress" and progress is not None and progress.phase == "dump":
             self.budget.written(str(prov.kernel_id), progress.bytes_done or 0)
         self.events.on_change(prov, what)
-
-    def _note_retention_start(self, prov: CedanaProvisioner) -> None:
-        kid = str(prov.kernel_id)
-        seen = self._retention_since.get(kid)
-        if prov.state == KernelState.suspended and prov.suspended_at:
-            if seen is None or seen[0] != prov.suspended_at:
-                self._retention_since[kid] = (prov.suspended_at, stamp())
-        elif prov.state == KernelState.failed:
-            if prov.suspended_at is None and (seen is None or seen[0] is not None):
-                self._retention_since[kid] = (None, stamp())
-        elif prov.state == KernelState.running:
-            self._retention_since.pop(kid, None)
 
     def note_suspend_failure(self, kernel_id: str, error: CedanaError) -> None:
         """A suspend refused before the provisioner changed state (e.g. CRIU missing)."""
