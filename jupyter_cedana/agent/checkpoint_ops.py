@@ -26,7 +26,6 @@ from typing import Any, cast
 from ..checkpoint import lazy as lazy_pages
 from ..checkpoint import portremap
 from ..checkpoint.crimg import ImageError, mark_lazy
-from ..checkpoint.dumping import dir_bytes
 from ..checkpoint.engine import kill_restore
 from ..checkpoint.integrity import is_page_file
 from ..checkpoint.proctree import process_tree
@@ -35,9 +34,11 @@ from ..errors import CedanaError
 from .criu import AgentEngine, CriuSettings, UnsafeSetup
 from .imagecheck import ImageRefused, verify_owner
 from .imagestore import DEFAULT_QUOTA, ImageStore, kernel_id_arg, manifest_meta
+from .kept_bases import KeptBases, check_chain, delta_summary
 from .kernels import KernelRecord, State
 from .port_ops import PortOps
 from .protocol import AgentError
+from .restored import Keeper, check_running_as, stopped_tree
 from .service import Caller, Progress, ProgressFrames, Service, user_groups
 
 CONFIG_NAME = "checkpoint.json"
@@ -69,59 +70,12 @@ def load_settings(state_dir: Path) -> tuple[CriuSettings, int]:
     return settings, int(data.get("quota_bytes", DEFAULT_QUOTA))
 
 
-class _Keeper:
-    """cedana-init's keeper (a Popen) as the record's asyncio-style process."""
-
-    stdout = None
-    stderr = None
-
-    def __init__(self, proc: subprocess.Popen[bytes]):
-        self._proc = proc
-        self.pid = proc.pid
-
-    @property
-    def returncode(self) -> int | None:
-        return self._proc.poll()
-
-    async def wait(self) -> int:
-        return await asyncio.to_thread(self._proc.wait)
-
-
-def proc_creds(pid: int) -> dict[str, str]:
-    out = {}
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            key, _, value = line.partition(":")
-            if key in (
-                "Uid",
-                "Gid",
-                "CapInh",
-                "CapPrm",
-                "CapEff",
-                "CapBnd",
-                "CapAmb",
-                "NoNewPrivs",
-            ):
-                out[key] = value.strip()
-    return out
-
-
-def check_running_as(pid: int, uid: int, gid: int) -> None:
-    """Raise unless `pid` runs as uid/gid everywhere, with no capabilities (bounding set
-    included), no_new_privs."""
-    c = proc_creds(pid)
-    ids_ok = c["Uid"].split() == [str(uid)] * 4 and c["Gid"].split() == [str(gid)] * 4
-    caps = ("CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb")
-    caps_ok = all(int(c[k], 16) == 0 for k in caps)
-    if not (ids_ok and caps_ok and c.get("NoNewPrivs") == "1"):
-        raise ImageRefused(f"restored task {pid} runs with {c}")
-
-
 class CheckpointOps:
     def __init__(self, service: Service, settings: CriuSettings, quota_bytes: int):
         self.kernels = service.kernels
         self.engine = AgentEngine(settings)
         self.store = ImageStore(settings.state_dir, quota_bytes)
+        self.bases = KeptBases(self.store, self.kernels)
         # (uid, kernel id) -> a lazily restored kernel's memory coming in.
         self._loading: dict[tuple[int, str], asyncio.Future[None]] = {}
 
@@ -201,6 +155,7 @@ class CheckpointOps:
             if record.uid != 0:
                 await asyncio.to_thread(self._ensure_kdat)
             store = self.store.for_uid(caller.uid)
+            self.bases.sweep(caller.uid)
             record.state = State.dumping
             pid = record.init_pid
             tmp = store.begin(kid)
@@ -210,11 +165,12 @@ class CheckpointOps:
                 frames({"phase": _PHASES.get(phase, phase), "done": done, "total": total})
 
             try:
+                # A kept base (restore's keep_base) makes the image a delta on it.
+                base = await self.bases.base_for(caller.uid, kid, tmp, pid)
                 dumped = await self.engine.dump(
-                    pid, tmp, progress=dumping, owner=(record.uid, record.gid)
+                    pid, tmp, progress=dumping, owner=(record.uid, record.gid), base=base
                 )
-                size = dir_bytes(tmp)
-                self.store.check_quota(caller.uid, kid, size)
+                size = self.store.check_quota(caller.uid, kid, tmp)
                 frames({"phase": "committing", "done": size, "total": size})
 
                 def commit() -> dict[str, Any]:
@@ -229,8 +185,10 @@ class CheckpointOps:
                             "timings": {"dump_s": dumped.seconds},
                             # For a record lost later: `list` and a restore take it here.
                             "meta": record.meta,
+                            **delta_summary(dumped.delta),
                         },
                         dumped.sums,
+                        delta=dumped.delta is not None,
                     )
 
                 manifest = await asyncio.to_thread(commit)
@@ -245,6 +203,8 @@ class CheckpointOps:
                 if isinstance(e, CedanaError):
                     raise AgentError("failed", e.message) from e
                 raise
+            index = dumped.delta.index if dumped.delta is not None else None
+            await asyncio.to_thread(self.bases.committed, caller.uid, kid, index, manifest)
             # The image is durable: only now does the kernel's memory go.
             process = record.process
             with contextlib.suppress(ProcessLookupError):
@@ -255,7 +215,9 @@ class CheckpointOps:
         return {
             "kernel_id": kid,
             "bytes": int(manifest["total_bytes"]),
+            "held_bytes": int(manifest["held_bytes"]),
             "seconds": dumped.seconds,
+            **({"delta": manifest["delta"]} if "delta" in manifest else {}),
         }
 
     async def op_restore(
@@ -272,8 +234,9 @@ class CheckpointOps:
     ) -> dict[str, Any]:
         kid = kernel_id_arg(args)
         lazy = args.get("lazy", False)
-        if not isinstance(lazy, bool):
-            raise AgentError("bad_request", "lazy must be true or false")
+        keep = args.get("keep_base", False)
+        if not isinstance(lazy, bool) or not isinstance(keep, bool):
+            raise AgentError("bad_request", "lazy and keep_base must be true or false")
         store = self.store.for_uid(caller.uid)
         record = self.dumped_record(caller, kid)
         self._require()
@@ -297,6 +260,8 @@ class CheckpointOps:
                     await asyncio.to_thread(store.verify_small_files, kid, manifest)
                 else:
                     await asyncio.to_thread(store.verify, kid, _throttled(frames, "verifying"))
+                # Its bases too: CRIU follows the chain's parent links as root.
+                await asyncio.to_thread(check_chain, images)
                 await asyncio.to_thread(
                     verify_owner,
                     images,
@@ -328,18 +293,26 @@ class CheckpointOps:
                 record.state = State.dumped
                 raise
             self.kernels.mark_restored(
-                caller.uid, kid, pid, cast(asyncio.subprocess.Process, _Keeper(keeper))
+                caller.uid, kid, pid, cast(asyncio.subprocess.Process, Keeper(keeper))
             )
             if pages is None:
-                with contextlib.suppress(OSError):
-                    store.remove_image(kid)
+                self._superseded(store, caller.uid, kid, keep)
             else:
                 # The image stays until every page is in.
                 key = (caller.uid, kid)
-                task = asyncio.ensure_future(self._load_memory(pages, store, caller.uid, kid, pid))
+                task = asyncio.ensure_future(
+                    self._load_memory(pages, store, caller.uid, kid, pid, keep)
+                )
                 self._loading[key] = task
                 task.add_done_callback(lambda t: self._loading.pop(key, None))
-        return {"kernel_id": kid, "pid": pid, "lazy": pages is not None}
+        return {"kernel_id": kid, "pid": pid, "lazy": pages is not None, "keep_base": keep}
+
+    def _superseded(self, store: CheckpointStore, uid: int, kid: str, keep: bool) -> None:
+        """The restored kernel runs on its own memory: its image goes, or is kept as the
+        base of its next dump (kept_bases.py)."""
+        if not keep or not self.bases.keep(uid, kid):
+            with contextlib.suppress(OSError):
+                store.remove_image(kid)
 
     async def _page_server(
         self,
@@ -365,7 +338,13 @@ class CheckpointOps:
         return pages
 
     async def _load_memory(
-        self, pages: lazy_pages.PageServer, store: CheckpointStore, uid: int, kid: str, pid: int
+        self,
+        pages: lazy_pages.PageServer,
+        store: CheckpointStore,
+        uid: int,
+        kid: str,
+        pid: int,
+        keep: bool = False,
     ) -> None:
         """A lazily restored kernel's memory coming in; then its image goes. If it cannot
         all come in, the kernel is killed (it must not run on with missing memory) and
@@ -393,8 +372,9 @@ class CheckpointOps:
             _log.error("Kernel %s killed, its image kept: %s", kid, e)
             return
         await pages.stop()
-        with contextlib.suppress(OSError):
-            store.remove_image(kid)
+        record = self.kernels.get(uid, kid)
+        running = record is not None and record.state == State.running and record.init_pid == pid
+        self._superseded(store, uid, kid, keep and running)
 
     async def _restore(
         self,
@@ -409,7 +389,7 @@ class CheckpointOps:
         pid = 0
         try:
             pid = await self.engine.wait_restored(proc, work, pidfile)
-            tasks = await _stopped_tree(pid)
+            tasks = await stopped_tree(pid)
             if uid != 0:
                 # CRIU set the ids and capabilities from the image: see they are right,
                 # the init's as well (it is the user's too).
@@ -436,13 +416,16 @@ class CheckpointOps:
         kid = kernel_id_arg(args)
         record = self._image_of(caller, kid)
         self.store.for_uid(caller.uid).remove(kid)
+        self.bases.drop(caller.uid, kid)
         if record is not None:
             self.kernels.remove(caller.uid, kid)
         return {"kernel_id": kid}
 
     async def op_images(self, caller: Caller, args: dict[str, Any], _: Progress) -> dict[str, Any]:
+        self.bases.sweep(caller.uid)
         return {
             "images": self.store.images(caller.uid),
+            "bases": self.bases.listing(caller.uid),
             "refused": self.store.refused(caller.uid),
             "quota_bytes": self.store.quota_bytes,
             "used_bytes": self.store.usage(caller.uid),
@@ -468,27 +451,6 @@ def _throttled(frames: ProgressFrames, phase: str) -> Callable[[int, int], None]
 def _chunked(manifest: dict[str, Any]) -> bool:
     pages = [m for n, m in manifest["files"].items() if is_page_file(n)]
     return bool(pages) and all("chunks" in m for m in pages)
-
-
-async def _stopped_tree(root: int, timeout: float = 10.0) -> set[int]:
-    """The restored tree once CRIU has let go of it (every task stopped)."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while True:
-        pids = process_tree(root)
-        if pids and all(_state(p) == "T" for p in pids):
-            return pids
-        if loop.time() > deadline:
-            return pids
-        await asyncio.sleep(0.005)
-
-
-def _state(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rpartition(")")[2].split()[0]
-    except (OSError, IndexError):
-        return "?"
 
 
 def register(service: Service) -> None:

@@ -20,8 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..checkpoint.dumping import dir_bytes
-from ..checkpoint.store import CheckpointStore, validate_kernel_id
+from ..checkpoint.store import BASE_NAME, MANIFEST, CheckpointStore, validate_kernel_id
 from ..errors import CedanaError
 from .protocol import AgentError
 from .records import MAX_META, meta_size
@@ -29,7 +28,7 @@ from .records import MAX_META, meta_size
 DEFAULT_QUOTA = 64 << 30
 
 
-def _private_dir(path: Path) -> Path:
+def private_dir(path: Path) -> Path:
     """Make `path` a root-owned 0700 directory (its parent already is one) and refuse one
     that is anything else: a link, another owner, a wider mode."""
     with contextlib.suppress(FileExistsError):
@@ -40,6 +39,48 @@ def _private_dir(path: Path) -> Path:
     if stat.S_IMODE(st.st_mode) != 0o700:
         os.chmod(path, 0o700)
     return path
+
+
+def disk_bytes(*paths: Path, skip: frozenset[Path] = frozenset()) -> int:
+    """Bytes of the files under `paths` (recursively, but not under `skip`), each file
+    once however many hard links it has (a chain's base linked into a dump in progress is
+    on the disk once): apparent sizes, as the manifests count them."""
+    seen: set[tuple[int, int]] = set()
+    total = 0
+    for top in paths:
+        for dirpath, dirs, files in os.walk(top):
+            here = Path(dirpath)
+            dirs[:] = [d for d in dirs if here / d not in skip]
+            for name in files:
+                with contextlib.suppress(OSError):
+                    st = os.lstat(here / name)
+                    if stat.S_ISREG(st.st_mode) and (st.st_dev, st.st_ino) not in seen:
+                        seen.add((st.st_dev, st.st_ino))
+                        total += st.st_size
+    return total
+
+
+def chain_summary(images: Path) -> dict[str, int] | None:
+    """`bytes` (the newest image's own), `held_bytes` (with all its bases) and `layers`
+    of the image in `images`; None when it has no readable manifest."""
+    layers: list[int] = []
+    where = images
+    while True:
+        try:
+            manifest = json.loads((where / MANIFEST).read_text())
+        except (OSError, ValueError):
+            if not layers:
+                return None
+            break
+        if not isinstance(manifest, dict):
+            if not layers:
+                return None
+            break
+        layers.append(int(manifest.get("total_bytes") or 0))
+        if not manifest.get("base"):
+            break
+        where = where / BASE_NAME
+    return {"bytes": layers[0], "held_bytes": sum(layers), "layers": len(layers)}
 
 
 def kernel_id_arg(args: dict[str, Any]) -> str:
@@ -67,36 +108,45 @@ class ImageStore:
         self.state_dir = Path(state_dir)
         self.root = self.state_dir / "images"
         self.refused_root = self.state_dir / "refused"
+        #: Where running kernels' kept bases are (kept_bases.py): counted in the quota.
+        self.bases_root = self.state_dir / "bases"
         self.quota_bytes = quota_bytes
 
     def for_uid(self, uid: int) -> CheckpointStore:
-        _private_dir(self.root)
-        return CheckpointStore(_private_dir(self.root / str(int(uid))))
+        private_dir(self.root)
+        return CheckpointStore(private_dir(self.root / str(int(uid))))
 
     def image_dir(self, uid: int, kernel_id: str) -> Path:
         return self.for_uid(uid).path(validate_kernel_id(kernel_id))
 
     def usage(self, uid: int, excluding: str | None = None) -> int:
-        """Bytes of a uid's images (and dumps in progress), but `excluding`'s image."""
-        base = self.root / str(int(uid))
-        if not base.is_dir():
-            return 0
-        total = 0
-        for entry in base.iterdir():
-            if entry.name == excluding or entry.is_symlink() or not entry.is_dir():
-                continue
-            total += dir_bytes(entry)
-        return total
+        """Bytes a uid holds on the disk: its images, their chains, dumps in progress and
+        kept bases (kept_bases.py), each file once however many links it has; but kernel
+        `excluding`'s image and base (which a dump in progress replaces)."""
+        dirs = []
+        for root in (self.root, self.bases_root):
+            base = root / str(int(uid))
+            if base.is_dir() and not base.is_symlink():
+                dirs += [
+                    e
+                    for e in base.iterdir()
+                    if e.name != excluding and e.is_dir() and not e.is_symlink()
+                ]
+        return disk_bytes(*dirs)
 
-    def check_quota(self, uid: int, kernel_id: str, new_bytes: int) -> None:
-        """Refuse a new image of `new_bytes` (replacing the kernel's old one) over quota."""
-        used = self.usage(uid, excluding=kernel_id) - new_bytes  # the dump counts itself
-        if used + new_bytes > self.quota_bytes:
+    def check_quota(self, uid: int, kernel_id: str, tmp: Path) -> int:
+        """Refuse the image being written in `tmp` (replacing the kernel's image and base)
+        over quota; otherwise its own bytes (not its base's, `tmp`/base)."""
+        new_bytes = disk_bytes(tmp, skip=frozenset({tmp / BASE_NAME}))
+        total = self.usage(uid, excluding=kernel_id)  # the dump in progress counts itself
+        if total > self.quota_bytes:
             raise AgentError(
                 "refused",
                 f"the image of kernel {kernel_id} ({new_bytes} bytes) would exceed your "
-                f"image quota of {self.quota_bytes} bytes ({max(used, 0)} used by others)",
+                f"image quota of {self.quota_bytes} bytes ({max(total - new_bytes, 0)} used "
+                "by others)",
             )
+        return new_bytes
 
     def images(self, uid: int) -> list[dict[str, Any]]:
         store = self.for_uid(uid)
@@ -110,6 +160,7 @@ class ImageStore:
                 {
                     "kernel_id": kid,
                     "bytes": int(manifest.get("total_bytes") or 0),
+                    **(chain_summary(store.path(kid)) or {}),
                     "created": manifest.get("created"),
                 }
             )
@@ -142,8 +193,8 @@ class ImageStore:
     def refuse(self, uid: int, kernel_id: str, reason: str) -> Path:
         """Move a kernel's image out of use, with why, for the administrator."""
         src = self.image_dir(uid, kernel_id)
-        _private_dir(self.refused_root)
-        dest_dir = _private_dir(self.refused_root / str(int(uid)))
+        private_dir(self.refused_root)
+        dest_dir = private_dir(self.refused_root / str(int(uid)))
         dest = dest_dir / f"{kernel_id}.{time.strftime('%Y%m%dT%H%M%S')}.{time.monotonic_ns()}"
         os.rename(src, dest)
         fd = os.open(dest / "REFUSED.json", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)

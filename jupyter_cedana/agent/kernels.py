@@ -159,6 +159,9 @@ class KernelRecord:
     #: What the launching server keeps with the kernel (its name, connection info with
     #: the key, cwd): never read by the agent, returned to the kernel's uid alone.
     meta: dict[str, Any] | None = None
+    #: Bytes its images hold on disk (a dumped kernel's chain, a running one's kept base;
+    #: kept_bases.py), for `list`; None: none. Not written to the record: read from disk.
+    held_bytes: int | None = None
     _tasks: set[asyncio.Task[Any]] = field(default_factory=set)
     #: Called after every state change: the table writes the record to disk.
     _sink: Callable[[KernelRecord], None] | None = None
@@ -232,6 +235,8 @@ class KernelRecord:
         }
         if self.note:
             out["note"] = self.note
+        if self.held_bytes is not None:
+            out["held_bytes"] = self.held_bytes
         return out
 
     def status(self) -> dict[str, Any]:
@@ -336,6 +341,22 @@ class KernelTable:
         self._records: dict[tuple[int, str], KernelRecord] = {}
         self.store = RecordStore(Path(state_dir)) if state_dir is not None else None
         self.output_root = Path(state_dir) / "output" if state_dir is not None else None
+        self._watchers: list[Callable[[KernelRecord], None]] = []
+
+    def on_change(self, watcher: Callable[[KernelRecord], None]) -> None:
+        """`watcher(record)` after every change of a record's state (and when it is
+        added): what else the agent keeps of a kernel follows it (its kept base)."""
+        self._watchers.append(watcher)
+
+    def _changed(self, record: KernelRecord) -> None:
+        if self._records.get((record.uid, record.kernel_id)) is not record:
+            return
+        self._save(record)
+        for watcher in self._watchers:
+            try:
+                watcher(record)
+            except Exception:
+                log.exception("kernel %s: after its change to %s", record.kernel_id, record.state)
 
     def output_of(self, uid: int, kernel_id: str) -> KernelOutput:
         assert self.output_root is not None
@@ -373,11 +394,10 @@ class KernelTable:
         if len(self.for_uid(record.uid)) >= self.max_per_uid:
             raise AgentError("busy", f"at most {self.max_per_uid} kernels per user")
         self._records[key] = record
-        if self.store is not None:
-            if isinstance(record.log, KernelLog) and not record.log.tail():
-                record.log = self.output_of(record.uid, record.kernel_id)
-            record.persist_to(self._save)
-            record.save()
+        if self.store is not None and isinstance(record.log, KernelLog) and not record.log.tail():
+            record.log = self.output_of(record.uid, record.kernel_id)
+        record.persist_to(self._changed)
+        record.save()
 
     def remove(self, uid: int, kernel_id: str) -> KernelRecord:
         record = self.lookup(uid, kernel_id)
