@@ -20,7 +20,9 @@ import os
 import struct
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
+from typing import Any
 
 from .crimg import (
     PAGE_SIZE,
@@ -47,6 +49,7 @@ _INDEX_MAGIC = b"CDNPIDX2"
 _TOKEN = struct.Struct("<32s")
 _RECORD = struct.Struct("<IQ16s")  # pid, vaddr, digest
 _READ_PAGES = 1024  # pages read at once while indexing
+_BLOCK = 64  # pages a delta's page maps compare with the base at once
 
 
 @dataclass
@@ -228,12 +231,25 @@ class DeltaStream:
 
 @dataclass
 class DeltaResult:
-    index: PageIndex  # of the new image (base and delta as one)
+    directory: Path
     pages: int = 0  # present in the new image
     written: int = 0  # of those, in the delta's page files
     in_parent: int = 0
     copied: int = 0  # content found in the base at another address: copied from it
     rebuilt: list[str] = field(default_factory=list)  # page files written again
+    # (pid, first address, digests) of each run of present pages: the new image's index,
+    # built only when asked for (`index`), once the kernel is no longer frozen.
+    runs: list[tuple[int, int, bytes]] = field(default_factory=list)
+
+    @cached_property
+    def index(self) -> PageIndex:
+        """Of the new image (base and delta as one)."""
+        index = PageIndex(self.directory)
+        for pid, vaddr, digests in self.runs:
+            for i in range(len(digests) // DIGEST_SIZE):
+                own = digests[i * DIGEST_SIZE : (i + 1) * DIGEST_SIZE]
+                index.add(pid, vaddr + i * PAGE_SIZE, own)
+        return index
 
 
 def finish_delta(images: Path, base: PageIndex, streams: dict[str, DeltaStream]) -> DeltaResult:
@@ -242,7 +258,7 @@ def finish_delta(images: Path, base: PageIndex, streams: dict[str, DeltaStream])
     in-parent entries, pages the base holds at other addresses copied in, the parent
     link made. ImageError when the page maps and the streams disagree (the dump is then
     no good: the caller fails it)."""
-    result = DeltaResult(PageIndex(images))
+    result = DeltaResult(images)
     reader = _Reader(base.directory)
     for path in sorted(images.glob("pagemap-*.img")):
         name = path.name[len("pagemap-") : -len(".img")]
@@ -267,26 +283,42 @@ def finish_delta(images: Path, base: PageIndex, streams: dict[str, DeltaStream])
             if not flags & PE_PRESENT:
                 entries.append((vaddr, count, flags))
                 continue
-            for i in range(count):
-                if k >= stream.pages:
-                    raise ImageError(f"{pages_name} holds fewer pages than {path.name} lists")
-                at = vaddr + i * PAGE_SIZE
-                digest = bytes(stream.digests[k * DIGEST_SIZE : (k + 1) * DIGEST_SIZE])
-                if pid >= 0:
-                    result.index.add(pid, at, digest)
-                if stream.kept[k]:
-                    page_flags = flags
-                    sources.append(written)
-                    written += 1
-                elif known.get(at) == digest:
-                    page_flags = PE_PARENT | (flags & PE_LAZY)
-                    result.in_parent += 1
-                else:
-                    page_flags = flags
-                    sources.append(digest)
-                    result.copied += 1
-                _extend(entries, at, page_flags)
-                k += 1
+            if k + count > stream.pages:
+                raise ImageError(f"{pages_name} holds fewer pages than {path.name} lists")
+            if pid >= 0:
+                result.runs.append(
+                    (pid, vaddr, bytes(stream.digests[k * DIGEST_SIZE : (k + count) * DIGEST_SIZE]))
+                )
+            # This runs while the kernel is frozen: most blocks of a repeat suspend are
+            # all in the base at the same addresses, taken whole by comparing their
+            # digests as one string; only the others are looked at page by page.
+            for start in range(0, count, _BLOCK):
+                n = min(_BLOCK, count - start)
+                at, j = vaddr + start * PAGE_SIZE, k + start
+                if 1 not in stream.kept[j : j + n] and _in_base_as_is(
+                    known, at, n, stream.digests[j * DIGEST_SIZE : (j + n) * DIGEST_SIZE]
+                ):
+                    _extend(entries, at, PE_PARENT | (flags & PE_LAZY), n)
+                    result.in_parent += n
+                    continue
+                for i in range(n):
+                    page_at = at + i * PAGE_SIZE
+                    digest = bytes(
+                        stream.digests[(j + i) * DIGEST_SIZE : (j + i + 1) * DIGEST_SIZE]
+                    )
+                    if stream.kept[j + i]:
+                        page_flags = flags
+                        sources.append(written)
+                        written += 1
+                    elif known.get(page_at) == digest:
+                        page_flags = PE_PARENT | (flags & PE_LAZY)
+                        result.in_parent += 1
+                    else:
+                        page_flags = flags
+                        sources.append(digest)
+                        result.copied += 1
+                    _extend(entries, page_at, page_flags)
+            k += count
         if k != stream.pages:
             raise ImageError(f"{pages_name} holds more pages than {path.name} lists")
         result.pages += k
@@ -305,13 +337,22 @@ def finish_delta(images: Path, base: PageIndex, streams: dict[str, DeltaStream])
     return result
 
 
-def _extend(entries: list[tuple[int, int, int]], vaddr: int, flags: int) -> None:
+def _in_base_as_is(known: dict[int, bytes], vaddr: int, pages: int, digests: Any) -> bool:
+    """Whether the base holds these `pages` pages' `digests` at the same addresses."""
+    try:
+        held = b"".join(map(known.__getitem__, range(vaddr, vaddr + pages * PAGE_SIZE, PAGE_SIZE)))
+    except KeyError:
+        return False
+    return held == digests
+
+
+def _extend(entries: list[tuple[int, int, int]], vaddr: int, flags: int, pages: int = 1) -> None:
     if entries:
         v, n, f = entries[-1]
         if f == flags and v + n * PAGE_SIZE == vaddr:
-            entries[-1] = (v, n + 1, f)
+            entries[-1] = (v, n + pages, f)
             return
-    entries.append((vaddr, 1, flags))
+    entries.append((vaddr, pages, flags))
 
 
 def _rebuild(path: Path, sources: list[int | bytes], base: PageIndex, reader: _Reader) -> None:
