@@ -4,10 +4,10 @@ place in one step a kill cannot split (exchange.py). docs/incremental.md, *Compa
 
 The fold reads every page the kernel's newest image holds, in whichever layer of the
 chain holds it, checking every 64 KiB chunk it reads against that layer's chunk table
-(and every other file against its CRC), and writes a whole image as a dump would: one
-page file per page map, in the page map's order, with new chunk tables, all-zero chunks
-as holes, the page maps' in-parent entries made present (their lazy marks kept). The
-other files are the newest image's, copied; the manifest is the newest image's (its
+(and every other file against its CRC: chain_reader.py), and writes a whole image as a
+dump would: one page file per page map, in the page map's order, with new chunk tables,
+all-zero chunks as holes, the page maps' in-parent entries made present (their lazy marks
+kept). The other files are the newest image's, copied; the manifest is the newest image's (its
 `created` and `created_clock` too: it is the same checkpoint, taken at the same time, so
 retention and the page index, which names the image by `created`, go on as before), with
 the new files and `held_bytes` equal to its own size.
@@ -33,7 +33,6 @@ cancelled, before the exchange): tests/test_compaction*.py.
 
 from __future__ import annotations
 
-import bisect
 import contextlib
 import ctypes
 import os
@@ -47,16 +46,14 @@ from typing import Any
 
 from isal.isal_zlib import crc32
 
-from ..errors import CheckpointCorrupt
+from .chain_reader import ChainReader
 from .crimg import (
     PAGE_SIZE,
     PE_LAZY,
     PE_PARENT,
     PE_PRESENT,
-    ImageError,
     decode,
     field_spans,
-    int_field,
     pagemap_record,
     read_pagemap_entry,
 )
@@ -249,56 +246,6 @@ def compact(store: CheckpointStore, kernel_id: str, job: Job | None = None) -> R
     )
 
 
-@dataclass
-class _Run:
-    vaddr: int
-    end: int
-    flags: int
-    offset: int  # in the layer's page file, when present
-
-
-class _Source:
-    """A layer's page file, read by chunk spans, each chunk checked against its table
-    once; the last span read is kept (the fold reads a layer mostly in file order)."""
-
-    def __init__(self, path: Path, name: str, chunk_size: int, size: int, crcs: list[int]):
-        self.path, self.name = path, name
-        self.chunk_size, self.size, self.crcs = chunk_size, size, crcs
-        self.fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        self.checked: set[int] = set()
-        self.span = (0, b"")
-        self.read_bytes = 0
-
-    def read(self, offset: int, length: int) -> bytes:
-        lo, data = self.span
-        if lo <= offset and offset + length <= lo + len(data):
-            return data[offset - lo : offset - lo + length]
-        if offset + length > self.size:
-            raise CheckpointCorrupt(f"{self.name} is shorter than its page map says")
-        cs = self.chunk_size
-        first = offset // cs
-        last = (offset + length - 1) // cs
-        lo = first * cs
-        hi = min((last + 1) * cs, self.size)
-        data = os.pread(self.fd, hi - lo, lo)
-        self.read_bytes += len(data)
-        if len(data) != hi - lo:
-            raise CheckpointCorrupt(f"{self.name} is shorter than its size")
-        view = memoryview(data)
-        for c in range(first, last + 1):
-            if c not in self.checked:
-                if crc32(view[(c - first) * cs : (c - first + 1) * cs]) != self.crcs[c]:
-                    raise CheckpointCorrupt(
-                        f"checksum mismatch in {self.name} at offset {c * cs} (chunk {c})"
-                    )
-                self.checked.add(c)
-        self.span = (lo, data)
-        return data[offset - lo : offset - lo + length]
-
-    def close(self) -> None:
-        os.close(self.fd)
-
-
 class _Fold:
     def __init__(
         self,
@@ -308,31 +255,10 @@ class _Fold:
         tmp: Path,
         job: Job,
     ):
-        self.store, self.kid, self.layers, self.tmp, self.job = store, kernel_id, layers, tmp, job
-        self.maps: dict[tuple[int, str], tuple[list[_Run], list[int], str]] = {}
-        self.sources: dict[tuple[int, str], _Source] = {}
+        self.kid, self.layers, self.tmp, self.job = kernel_id, layers, tmp, job
+        self.chain = ChainReader(store, kernel_id, layers)
         self.read_bytes = 0
         self.files: dict[str, dict[str, Any]] = {}
-
-    def prefix(self, depth: int) -> str:
-        return "base/" * depth
-
-    def verified(self, depth: int, name: str) -> bytes:
-        """A small file of a layer, its CRC checked."""
-        where, layer = self.layers[depth]
-        meta = layer["files"].get(name)
-        if meta is None or "crc32" not in meta:
-            raise CheckpointCorrupt(
-                f"Checkpoint of {self.kid} is damaged: {self.prefix(depth)}{name} is not in "
-                "its manifest"
-            )
-        data = (where / name).read_bytes()
-        if len(data) != meta["size"] or crc32(data) != meta["crc32"]:
-            raise CheckpointCorrupt(
-                f"Checkpoint of {self.kid} is corrupted: checksum mismatch in "
-                f"{self.prefix(depth)}{name}"
-            )
-        return data
 
     def run(self) -> dict[str, dict[str, Any]]:
         top = self.layers[0][1]
@@ -343,14 +269,12 @@ class _Fold:
                 elif not is_page_file(name) and not (
                     name.endswith(".chunks") and is_page_file(name[: -len(".chunks")])
                 ):
-                    data = self.verified(0, name)
+                    data = self.chain.verified(0, name)
                     self.write_small(name, data)
                 if self.job.cancel.is_set():
                     raise Cancelled(f"compaction of {self.kid} cancelled")
         finally:
-            for source in self.sources.values():
-                self.read_bytes += source.read_bytes
-                source.close()
+            self.read_bytes += self.chain.close()
         return self.files
 
     def write_small(self, name: str, data: bytes) -> None:
@@ -362,92 +286,22 @@ class _Fold:
             os.fsync(f.fileno())
         self.files[name] = {"size": len(data), "crc32": crc32(data)}
 
-    def runs(self, depth: int, name: str) -> tuple[list[_Run], list[int], str]:
-        """A layer's page map `name`: its runs (with their offsets), their starts, and
-        its page file."""
-        key = (depth, name)
-        if key not in self.maps:
-            data = self.verified(depth, name)
-            spans = field_spans(data, name)
-            pages_file = f"pages-{int_field(decode(data[spans[0][0] : spans[0][1]]), 1)}.img"
-            out: list[_Run] = []
-            offset = 0
-            for lo, hi in spans[1:]:
-                v, n, f = read_pagemap_entry(data, lo, hi)
-                out.append(_Run(v, v + n * PAGE_SIZE, f, offset))
-                if f & PE_PRESENT:
-                    offset += n * PAGE_SIZE
-            self.maps[key] = (out, [r.vaddr for r in out], pages_file)
-        return self.maps[key]
-
-    def source(self, depth: int, pages_file: str) -> _Source:
-        key = (depth, pages_file)
-        if key not in self.sources:
-            where, layer = self.layers[depth]
-            meta = layer["files"].get(pages_file)
-            if meta is None or "chunks" not in meta:
-                raise CheckpointCorrupt(
-                    f"Checkpoint of {self.kid} has no chunk table for "
-                    f"{self.prefix(depth)}{pages_file}"
-                )
-            self.verified(depth, meta["chunks"])  # the table's own CRC
-            crcs = self.store.chunk_table(self.kid, layer, pages_file, where)
-            self.sources[key] = _Source(
-                where / pages_file,
-                self.prefix(depth) + pages_file,
-                meta["chunk_size"],
-                meta["size"],
-                crcs,
-            )
-        return self.sources[key]
-
-    def resolve(
-        self, depth: int, name: str, lo: int, hi: int, out: list[tuple[int, int, int]]
-    ) -> None:
-        """Where pages [lo, hi) of page map `name` are, from layer `depth` down: (layer,
-        offset in its page file, length) pieces appended to `out`."""
-        if depth >= len(self.layers):
-            raise ImageError(f"{name}: pages at {lo:#x} are in no layer of the chain")
-        runs, starts, _ = self.runs(depth, name)
-        i = bisect.bisect_right(starts, lo) - 1
-        pos = lo
-        while pos < hi:
-            if i < 0 or i >= len(runs) or runs[i].vaddr > pos or runs[i].end <= pos:
-                raise ImageError(
-                    f"{self.prefix(depth)}{name}: page {pos:#x} is not in its page map"
-                )
-            run = runs[i]
-            end = min(hi, run.end)
-            if run.flags & PE_PRESENT:
-                piece = (depth, run.offset + pos - run.vaddr, end - pos)
-                last = out[-1] if out else None
-                if last and last[0] == depth and last[1] + last[2] == piece[1]:
-                    out[-1] = (depth, last[1], last[2] + piece[2])
-                else:
-                    out.append(piece)
-            elif run.flags & PE_PARENT:
-                self.resolve(depth + 1, name, pos, end, out)
-            else:
-                raise ImageError(f"{self.prefix(depth)}{name}: page {pos:#x} has no content")
-            pos = end
-            i += 1
-
     def fold_pagemap(self, name: str) -> None:
-        data = self.verified(0, name)
+        data = self.chain.verified(0, name)
         spans = field_spans(data, name)
         head_end = spans[1][0] - 4 if len(spans) > 1 else len(data)
         records = [data[:head_end]]
-        pages_file = self.runs(0, name)[2]
+        pages_file = self.chain.runs(0, name)[2]
         pieces: list[tuple[int, int, int]] = []
         offset = 0  # in the top's page file
         for lo, hi in spans[1:]:
             vaddr, count, flags = read_pagemap_entry(data, lo, hi)
             wide = 5 in decode(data[lo:hi])
             if flags & PE_PRESENT:
-                self.resolve(0, name, vaddr, vaddr + count * PAGE_SIZE, pieces)
+                self.chain.resolve(0, name, vaddr, vaddr + count * PAGE_SIZE, pieces)
                 offset += count * PAGE_SIZE
             elif flags & PE_PARENT:
-                self.resolve(1, name, vaddr, vaddr + count * PAGE_SIZE, pieces)
+                self.chain.resolve(1, name, vaddr, vaddr + count * PAGE_SIZE, pieces)
                 flags = PE_PRESENT | (flags & PE_LAZY)
             records.append(pagemap_record(vaddr, count, flags, wide))
         self.write_pages(name, pages_file, pieces)
@@ -464,7 +318,7 @@ class _Fold:
             written = synced = 0
             for depth, offset, length in pieces:
                 # Each layer numbers its page files itself: the layer's page map names it.
-                source = self.source(depth, self.runs(depth, pagemap)[2])
+                source = self.chain.source(depth, self.chain.runs(depth, pagemap)[2])
                 while length:
                     take = min(length, _READ)
                     block = memoryview(source.read(offset, take))
