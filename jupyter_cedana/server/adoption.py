@@ -12,7 +12,7 @@ connection info instead of launching a process. The next message to the kernel r
 from its image like any suspended kernel.
 
 Nobody holds a parked kernel's ports between the two servers: a port taken meanwhile is
-moved to a free one in the image and in the connection info (portremap.py) before the
+moved to a free one in the image and in the connection info (parked_ports.py) before the
 kernel is adopted.
 
 The record stays while the kernel is suspended, locked by the adopting server (the
@@ -50,6 +50,7 @@ from ..errors import CedanaError, CheckpointCorrupt, EngineUnavailable, NotFound
 from ..timestamps import Stamp, iso
 from .kernel.checkpoint_agent import CheckpointAgent, agent_for
 from .kernel.transitions import KernelState
+from .parked_ports import follow_port_map, free_taken_ports
 from .policy import retention_ended
 
 PROVISIONER = "cedana-provisioner"
@@ -268,7 +269,7 @@ class Adopter:
             if self.store.exists(kid):
                 portremap.finish(self.store, kid)  # a remap cut short by a crash
             manifest = await self._check_image(kid)
-            manifest = self._free_ports(kid, record, manifest, held)
+            manifest = free_taken_ports(self.store, kid, record, manifest, held, self.log)
         except NotFound:
             remove_record(path)
             return self._skip(
@@ -323,7 +324,7 @@ class Adopter:
                 freed = await self.agent.kernel(kid).free_ports()
             except CedanaError as e:
                 return self._skip(kid, f"{e.message}; left in place for the next start")
-            self._moved_ports(kid, record, held, freed["moved"], freed["port_map"])
+            follow_port_map(kid, record, held, freed["moved"], freed["port_map"], self.log)
         manifest = {
             "total_bytes": int(found.get("bytes") or 0),
             "created": found.get("created"),
@@ -331,47 +332,6 @@ class Adopter:
         }
         await self._start(kid, record, manifest, held)
         return None
-
-    def _free_ports(
-        self, kid: str, record: dict[str, Any], manifest: dict[str, Any], held: HeldRecord
-    ) -> dict[str, Any]:
-        """Nobody held the kernel's ports since its server stopped: any taken meanwhile is
-        moved to a free one, in its image and in the connection info its clients get.
-        Returns the image's manifest as it is now."""
-        moved = portremap.remap_taken(self.store, kid)
-        manifest_map = self.store.read_manifest(kid).get("port_map") or {}
-        self._moved_ports(kid, record, held, moved, manifest_map)
-        return self.store.read_manifest(kid) if moved else manifest
-
-    def _moved_ports(
-        self,
-        kid: str,
-        record: dict[str, Any],
-        held: HeldRecord,
-        moved: dict[Any, int],
-        port_map: dict[str, int],
-    ) -> None:
-        """The connection info its clients get follows the image's map of ports; the
-        record keeps it when ports moved now."""
-        info = record["connection_info"] = portremap.with_port_map(
-            record["connection_info"], port_map
-        )
-        if not moved:
-            return
-        self.log.warning(
-            "jupyter-cedana: parked kernel %s: port(s) %s taken since its server stopped; "
-            "moved to %s (its clients get the new connection info)",
-            kid,
-            ", ".join(map(str, moved)),
-            ", ".join(map(str, moved.values())),
-        )
-        try:
-            held.replace({**record, "connection_info": info})
-        except OSError as e:
-            # The image's map of ports says where they went (portremap.with_port_map).
-            self.log.warning(
-                "jupyter-cedana: parked kernel %s: its record keeps the old ports: %s", kid, e
-            )
 
     def _retention_since(self, record: dict[str, Any]) -> Stamp | float | None:
         """When the kernel's retention began: its image's making, on the boot clock
