@@ -175,7 +175,7 @@ async def test_a_chain_past_its_limit_is_replaced_by_a_whole_image(
     first delta fits (the chain holds the whole image) and the next suspend, whose chain
     would hold more, writes a whole image instead: the chain is gone from disk and the
     state comes back."""
-    from jupyter_cedana.server.kernel import checkpointing
+    from jupyter_cedana.server.kernel import suspender
 
     prov = kernel.provisioner
     prov.engine.keep_base = True
@@ -191,8 +191,8 @@ async def test_a_chain_past_its_limit_is_replaced_by_a_whole_image(
         manifest = store.read_manifest(kernel.kernel_id)
         if i == 0:
             whole = manifest["total_bytes"]
-            monkeypatch.setattr(checkpointing, "CHAIN_LIMIT", 1.0)
-            monkeypatch.setattr(checkpointing, "tree_rss", lambda pid, size=whole: size)
+            monkeypatch.setattr(suspender, "CHAIN_LIMIT", 1.0)
+            monkeypatch.setattr(suspender, "tree_rss", lambda pid, size=whole: size)
         kinds.append("delta" if manifest.get("base") else "whole")
         await prov.resume()
         await prov.memory_loaded()

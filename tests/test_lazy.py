@@ -62,7 +62,8 @@ def transfer_state(prov: Any) -> str:
     page server's log (which says which process went, and why)."""
     log = prov.engine.store.work_dir(prov.kernel_id_str) / "pages.log"
     text = log.read_text() if log.exists() else "(none)"
-    return f"state {prov.state} ({prov.reason}), loading {prov._loading}, pages.log: {text[-1500:]}"
+    loading = prov.memory_loading
+    return f"state {prov.state} ({prov.reason}), loading {loading}, pages.log: {text[-1500:]}"
 
 
 async def took(kc: Any, msg_id: str, timeout: float = 60) -> None:

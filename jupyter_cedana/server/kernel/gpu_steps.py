@@ -1,8 +1,8 @@
 """A kernel's GPU memory as its provisioner holds it between the steps of a suspend or
 resume, and the GPU steps that are not plain calls of the CUDA checkpointer: undoing an
 offload after a failed dump, restoring GPU memory into a CRIU-restored tree before it
-runs, and the `failed` state when the CUDA state of a kernel cannot be put back.
-Composed into the provisioner as `gpu_memory`.
+runs, the `failed` state when the CUDA state of a kernel cannot be put back, and the
+process an offloaded kernel keeps. Composed into the provisioner as `gpu_memory`.
 """
 
 from __future__ import annotations
@@ -32,6 +32,25 @@ class GpuMemory:
         discarded)."""
         self.state = None
         self.lost = False
+
+    def keeps_process(self) -> bool:
+        """Not running, yet its process lives: offloaded, or failed by a GPU step."""
+        machine = self.machine
+        if machine.state == KernelState.failed:
+            return machine.tier == "offload" or self.lost
+        return machine.state == KernelState.suspended and machine.tier == "offload"
+
+    def process_died(self, process: Any) -> bool:
+        """An offloaded kernel keeps its process (so does one failed with its GPU state
+        offloaded or lost); when that dies the kernel is dead (there is no image to resume
+        from), and the provisioner's poll() must say so for the restarter."""
+        if not self.keeps_process() or process is None or process.poll() is None:
+            return False
+        self.log.warning("Offloaded kernel %s exited", self.kernel_id)
+        self.forget()
+        self.machine.tier = None
+        self.machine.set_state(KernelState.running, reason="the offloaded kernel's process exited")
+        return True
 
     def progress(self, phase: str, done: int | None, total: int | None) -> None:
         self.machine.set_progress(phase, done, total)

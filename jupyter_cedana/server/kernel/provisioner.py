@@ -1,5 +1,7 @@
 """Kernel provisioner that launches kernels so they can be checkpointed, and suspends and
-resumes them (the procedures are in checkpointing.py, the state machine in transitions.py).
+resumes them. It composes what does the work: its Suspender (suspender.py), Resumer
+(resumer.py) and LazyMemory (lazy_memory.py), which see it through handle.KernelHandle,
+and its state machine (transitions.py).
 
 While a kernel is suspended it has no process, yet `poll()` says it is alive: the kernel
 restarter would otherwise start a fresh kernel over the user's work.
@@ -13,42 +15,70 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import datetime as dt
+import functools
 import os
 import signal
-import subprocess
-import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 from jupyter_client.connect import KernelConnectionInfo
-from jupyter_client.launcher import launch_kernel
 from jupyter_client.provisioning import LocalProvisioner
-from traitlets import TraitError
 
-from ...checkpoint.launch import check_executable, ipykernel_options, is_ipykernel, output_tail
-from ...checkpoint.parkrecords import RECORD_FORMAT, server_facts
+from ...checkpoint.engine import CheckpointEngine
+from ...checkpoint.launch import output_tail
 from ...checkpoint.proctree import process_tree
 from ...errors import Conflict, EngineUnavailable
 from ..adoption import claim_adoption
 from .checkpoint_agent import AgentKernel, CheckpointAgent, agent_for
-from .checkpointing import Checkpointing
 from .gpu_steps import GpuMemory
+from .kernel_tree import kill_tree
+from .launching import launch_at_agent, launch_under_init, text_key
+from .lazy_memory import LazyMemory
 from .ports import PortHold
-from .record import RecordHolder
+from .record import RecordHolder, adoption_record
+from .resumer import Resumer
+from .suspender import Suspender
 from .transitions import KernelState, Listener, Progress, SuspendHook, TransitionMachine
 
 __all__ = ["CedanaProvisioner", "KernelState", "Listener", "Progress"]
 
 
-class CedanaProvisioner(Checkpointing, LocalProvisioner):  # type: ignore[misc]
+class CedanaProvisioner(LocalProvisioner):  # type: ignore[misc]
     """A LocalProvisioner whose kernels can be suspended to disk and resumed."""
+
+    process: Any
+    pid: int | None
+    suspended_at: float | None = None
+    last_suspend_seconds: float | None = None
+    # Where the last suspend's time went (seconds), for benchmarks and logs.
+    last_suspend_breakdown: dict[str, float] | None = None
+    last_resume_breakdown: dict[str, Any] | None = None
+    last_resume_seconds: float | None = None
+    # time.monotonic() when the last lazily restored kernel's memory was all in.
+    last_memory_in_at: float | None = None
+    # time.time() of the last resume, and when the image it came from was taken.
+    resumed_at: float | None = None
+    image_taken_at: float | None = None
+    # time.time() after which what the kernel did is lost: a lazy restore failed after
+    # it ran, and it goes back to the image. Kept until a resume has all its memory in.
+    work_lost_after: float | None = None
+    checkpoint_bytes: int = 0
+    gpu_memory_freed: int = 0
+    # (kernel id, image bytes) -> None, or raises to refuse a dumped image before it is
+    # committed (the checkpoint budget; set by the suspend manager).
+    image_guard: Callable[[str, int], None] | None = None
+    # Why nothing can checkpoint this kernel (it was launched without the agent), if so.
+    not_checkpointable: str | None = None
 
     def __init__(self, **kwargs: Any):
         super().__init__(**kwargs)
         self.machine = TransitionMachine(self, self.log, self.kernel_id)
         self.port_hold = PortHold(self.log, self.kernel_id)
         self.gpu_memory = GpuMemory(self.machine, self.log, self.kernel_id)
+        self.suspender = Suspender(self)
+        self.lazy_memory = LazyMemory(self)
+        self.resumer = Resumer(self, self.lazy_memory)
         self._chores: set[asyncio.Future[Any]] = set()
         self._exit_told: Any = None  # the process whose exit was logged
         # Its park record: while suspended to disk (or failed with it); always at the agent.
@@ -57,7 +87,6 @@ class CedanaProvisioner(Checkpointing, LocalProvisioner):  # type: ignore[misc]
         )
         # The kernel at the checkpoint agent, when one is configured (checkpoint_agent.py).
         self.remote: AgentKernel | None = None
-        self._record_closed = False  # shut down: no record of it may be written again
         self.add_listener(_keep_agent_record)
 
     # -- its state, as the manager, the gate and parking see it (the machine's) -------------
@@ -110,7 +139,79 @@ class CedanaProvisioner(Checkpointing, LocalProvisioner):  # type: ignore[misc]
         """End the suspend or resume in flight, if any (transitions.py)."""
         await self.machine.abort_transition(why)
 
+    # -- suspend and resume (suspender.py, resumer.py) ---------------------------------------
+
+    async def suspend(self, tier: str = "disk") -> dict[str, Any]:
+        """Checkpoint the kernel (process tree and GPU memory) and free its resources."""
+        if tier not in ("disk", "offload"):
+            raise ValueError(f"unknown tier {tier!r}")
+        if self.not_checkpointable:
+            raise EngineUnavailable(
+                f"Kernel {self.kernel_id} cannot be suspended: the checkpoint agent did "
+                f"not start it ({self.not_checkpointable})"
+            )
+        self._refuse_while_shutting_down()
+        return await self.machine.once(f"suspend-{tier}", lambda: self.suspender.suspend(tier))
+
+    async def resume(self) -> dict[str, Any]:
+        """Restore a suspended kernel; on failure the image is kept and a retry may work."""
+        self._refuse_while_shutting_down()
+        return await self.machine.once("resume", self.resumer.resume)
+
+    def _refuse_while_shutting_down(self) -> None:
+        # A shutdown or restart aborts the transition in flight; none may start after it.
+        if getattr(self.parent, "shutting_down", False):
+            raise Conflict(
+                f"Kernel {self.kernel_id} is not running: it is shutting down or restarting"
+            )
+
+    async def memory_loaded(self) -> None:
+        """Returns once a lazily restored kernel's memory is all in (at once otherwise).
+        A suspend waits for it: the image being loaded goes away then, and a new dump
+        must not go with it."""
+        await self.lazy_memory.loaded()
+
+    @property
+    def memory_loading(self) -> asyncio.Future[None] | None:
+        """A lazy restore's memory still coming in from the image, or None."""
+        return self.lazy_memory.loading
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "state": self.state.value,
+            "tier": self.tier,
+            "checkpoint_bytes": self.checkpoint_bytes,
+            "last_suspend_seconds": self.last_suspend_seconds,
+            "last_resume_seconds": self.last_resume_seconds,
+            "gpu_memory_freed": self.gpu_memory_freed,
+            "reason": self.reason,
+        }
+
     # -- plumbing -------------------------------------------------------------------------
+
+    @functools.cached_property
+    def engine(self) -> CheckpointEngine:
+        # Taken once: a kernel's images stay in the root it started with, even if the
+        # process-wide engine is replaced later (tests do; parking reads the first one).
+        return CheckpointEngine.instance(parent=self.parent)
+
+    @property
+    def kernel_id_str(self) -> str:
+        return str(self.kernel_id)
+
+    def spec_name(self) -> str | None:
+        return getattr(self.parent, "kernel_name", None)
+
+    def process_alive(self) -> bool:
+        """Whether the kernel's process runs, as last seen (for a kernel at the agent, as
+        the last poll learned: a suspend must not wait on the agent before it shows)."""
+        return bool(self.pid) and self.process is not None and self.process.poll() is None
+
+    def background(self, work: Awaitable[Any]) -> None:
+        """Work that need not delay the kernel (cleanup() waits for it)."""
+        task = asyncio.ensure_future(work)
+        self._chores.add(task)
+        task.add_done_callback(self._chores.discard)
 
     @property
     def holds_image(self) -> bool:
@@ -141,43 +242,9 @@ class CedanaProvisioner(Checkpointing, LocalProvisioner):  # type: ignore[misc]
         if os.geteuid() != 0:
             # Not root and no agent: nothing here can checkpoint (engine.py says why).
             return await self._launch_plain(cmd, kwargs, None)
-        engine = self.engine
-        store = engine.store
-        store.ensure_root()
-        pidfile = store.root / f".{self.kernel_id_str}.pid"
-        pidfile.unlink(missing_ok=True)
-        wrapped = [engine.init_binary()]
-        if engine.pidns:
-            wrapped.append("--pidns")
-        if engine.kernels_die_with_server:
-            wrapped += ["--die-with-parent", "--parent-pid", str(os.getpid())]
-        # The init leaves the user's directory for a private one of ours (cedana-init.c:
-        # --chdir), where CRIU makes its /proc mount point.
-        wrapped += ["--chdir", str(store.work_dir(self.kernel_id_str))]
-        kw = LocalProvisioner._scrub_kwargs(kwargs)
-        env = dict(kw.pop("env", None) or os.environ)
-        check_executable(cmd, env, kw.get("cwd"))
-        cmd = ipykernel_options(cmd, history_in_memory=engine.ipython_history_in_memory)
-        if is_ipykernel(cmd):
-            # An interrupt while the kernel is still starting would kill it (Python's
-            # default SIGINT handler, before ipykernel ignores SIGINT); it is lost
-            # instead. A running cell is interrupted as before (cedana-init.c).
-            wrapped.append("--ignore-sigint")
-        wrapped += ["--pidfile", str(pidfile), "--", *cmd]
-        # ipykernel polls this PID and exits when it changes, which it does after a restore.
-        env.pop("JPY_PARENT_PID", None)
-        # A file only this kernel writes: a shared log that grows after a dump would make
-        # CRIU refuse the restore ("has bad size").
-        log_fd = os.open(
-            store.log_path(self.kernel_id_str), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600
+        self.process, self.pid = await launch_under_init(
+            self.engine, self.kernel_id_str, cmd, LocalProvisioner._scrub_kwargs(kwargs)
         )
-        try:
-            kw.update(stdin=subprocess.DEVNULL, stdout=log_fd, stderr=log_fd, env=env)
-            kw["independent"] = True
-            self.process = launch_kernel(wrapped, **kw)
-        finally:
-            os.close(log_fd)
-        self.pid = await self._read_pidfile(pidfile, self.process)
         self.pgid = None  # signals go to cedana-init, which forwards them to the kernel's group
         self.cwd = kwargs.get("cwd", Path.cwd())
         self.state = KernelState.running
@@ -198,24 +265,18 @@ class CedanaProvisioner(Checkpointing, LocalProvisioner):  # type: ignore[misc]
         self, agent: CheckpointAgent, cmd: list[str], kwargs: dict[str, Any]
     ) -> KernelConnectionInfo:
         """The agent launches the kernel, as this server's user, under its cedana-init."""
+        meta = {"kernel_name": self.spec_name(), "connection_info": text_key(self.connection_info)}
         kw = LocalProvisioner._scrub_kwargs(kwargs)
-        env = dict(kw.pop("env", None) or os.environ)
-        cwd = str(Path(kw.get("cwd") or Path.cwd()).resolve())
-        check_executable(cmd, env, cwd)
-        cmd = ipykernel_options(cmd, history_in_memory=self.engine.ipython_history_in_memory)
-        remote = agent.kernel(self.kernel_id_str)
-        info = dict(self.connection_info)
-        key = info.get("key", b"")
-        info["key"] = key.decode() if isinstance(key, bytes) else str(key)
-        meta = {"kernel_name": self._spec_name(), "connection_info": info, "cwd": cwd}
-        self.pid = await remote.launch(cmd, env, cwd, ignore_sigint=is_ipykernel(cmd), meta=meta)
+        remote, self.pid, cwd = await launch_at_agent(
+            agent, self.engine, self.kernel_id_str, cmd, kw, meta
+        )
         self.remote = remote
         self.process = remote
         self.pgid = None
         self.cwd = cwd
         self.state = KernelState.running
         self.reason = None
-        self._record_closed = False
+        self.records.closed = False
         await self.write_agent_record()
         return self.connection_info
 
@@ -230,7 +291,7 @@ class CedanaProvisioner(Checkpointing, LocalProvisioner):  # type: ignore[misc]
         else:
             remote.has_image = True
             self.process = None
-        self._record_closed = False
+        self.records.closed = False
 
     def refresh_agent_record(self) -> None:
         """Write the record once the transition in flight, if any, has ended."""
@@ -242,42 +303,15 @@ class CedanaProvisioner(Checkpointing, LocalProvisioner):  # type: ignore[misc]
                     await asyncio.shield(inflight)
             await self.write_agent_record()
 
-        self._background(after_transition())
+        self.background(after_transition())
 
     async def write_agent_record(self) -> None:
         """A kernel at the agent has its record while this server holds it, running or
         not: a server killed outright leaves it to the next one, which finds the kernel
         (running on, or dumped) at the agent. Without a record the kernel would run on
         with nobody to reach it; the agent suspends it when its grace period ends."""
-        if self.remote is None or self._record_closed:
-            return
-        if self.state not in (KernelState.running, KernelState.suspended):
-            return
-        try:
-            self.records.hold(await self.record())
-        except Exception as e:
-            self.log.warning(
-                "Kernel %s: its record could not be written (%s): a server killed now "
-                "would not find it at the checkpoint agent again",
-                self.kernel_id,
-                e,
-            )
-
-    @staticmethod
-    async def _read_pidfile(pidfile: Path, proc: subprocess.Popen[bytes]) -> int:
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            try:
-                text = pidfile.read_text().strip()
-                if text:
-                    pidfile.unlink(missing_ok=True)
-                    return int(text)
-            except (FileNotFoundError, ValueError):
-                pass
-            if proc.poll() is not None:
-                raise RuntimeError(f"cedana-init exited with {proc.returncode} before starting")
-            await asyncio.sleep(0.01)
-        raise RuntimeError("cedana-init did not report the kernel's PID in 30 s")
+        if self.remote is not None and self.state in (KernelState.running, KernelState.suspended):
+            await self.records.keep_at_agent()
 
     # -- Popen-like interface -------------------------------------------------------------
 
@@ -289,8 +323,8 @@ class CedanaProvisioner(Checkpointing, LocalProvisioner):  # type: ignore[misc]
         if self.remote is not None and self.state == KernelState.running:
             await self.remote.refresh()
             if self.remote.restore_failed is not None and self.process is self.remote:
-                self._restore_failed_at_agent(self.remote.restore_failed)
-        if self._offloaded_process_died():
+                self.lazy_memory.failed_at_agent(self.remote.restore_failed)
+        if self.gpu_memory.process_died(self.process):
             return self.process.poll() if self.process is not None else 0
         if self.state != KernelState.running or self.holds_image:
             return None
@@ -316,37 +350,6 @@ class CedanaProvisioner(Checkpointing, LocalProvisioner):  # type: ignore[misc]
             code,
             tail or "(none)",
         )
-
-    def _restore_failed_at_agent(self, cause: str) -> None:
-        """The agent stopped the kernel, its memory not all restored, and kept its image:
-        as a failed lazy restore here, the kernel is `failed` and the next cell resumes
-        it from that image."""
-        self.process = None
-        self.pid = None
-        self.port_hold.reserve(self.connection_info)
-        self.work_lost_after = self.work_lost_after or self.resumed_at
-        self.log.error("Kernel %s killed by the checkpoint agent: %s", self.kernel_id, cause)
-        self.machine.set_state(KernelState.failed, reason=self._lost(cause))
-
-    def _offloaded_process_died(self) -> bool:
-        """An offloaded kernel keeps its process (so does one failed with its GPU state
-        offloaded or lost); when that dies the kernel is dead (there is no image to resume
-        from), and poll() must say so for the restarter."""
-        if not self._keeps_process():
-            return False
-        if self.process is None or self.process.poll() is None:
-            return False
-        self.log.warning("Offloaded kernel %s exited", self.kernel_id)
-        self.gpu_memory.forget()
-        self.tier = None
-        self.machine.set_state(KernelState.running, reason="the offloaded kernel's process exited")
-        return True
-
-    def _keeps_process(self) -> bool:
-        """Not running, yet its process lives: offloaded, or failed by a GPU step."""
-        if self.state == KernelState.failed:
-            return self.tier == "offload" or self.gpu_memory.lost
-        return self.state == KernelState.suspended and self.tier == "offload"
 
     async def wait(self) -> int | None:
         while await self.poll() is None:
@@ -415,16 +418,15 @@ class CedanaProvisioner(Checkpointing, LocalProvisioner):  # type: ignore[misc]
             return False
         self.log.info("Discarding the checkpoint of kernel %s", self.kernel_id)
         if self.remote is not None:
-            self._background(self.remote.discard())
-        if self._keeps_process() and self.pid:
+            self.background(self.remote.discard())
+        if self.gpu_memory.keeps_process() and self.pid:
             # An offloaded kernel keeps its process (GPU memory moved into host memory).
-            self._kill_tree(self.pid)
+            kill_tree(self.pid, self.engine.pidns)
             if self.process is not None:
                 with contextlib.suppress(Exception):
                     self.process.wait(10)
         self.engine.store.remove(self.kernel_id_str)
-        self._record_closed = True
-        self.records.drop()
+        self.records.close()
         self.port_hold.release()
         self.process = None
         self.gpu_memory.forget()
@@ -443,8 +445,7 @@ class CedanaProvisioner(Checkpointing, LocalProvisioner):  # type: ignore[misc]
             store = self.engine.store
             with contextlib.suppress(Exception):
                 store.remove(self.kernel_id_str)
-            self._record_closed = True
-            self.records.drop()
+            self.records.close()
         # An image being deleted in the background (after a resume) is not left half gone
         # by a server that stops right after.
         await asyncio.gather(*self._chores, return_exceptions=True)
@@ -476,36 +477,16 @@ class CedanaProvisioner(Checkpointing, LocalProvisioner):  # type: ignore[misc]
     async def record(self, suspended_at: float | None = None) -> dict[str, Any]:
         """What the next server needs to adopt this kernel (parkrecords.py)."""
         km = self.parent
-        info = dict(km.get_connection_info() if km is not None else self.connection_info)
-        key = info.get("key", b"")
-        info["key"] = key.decode() if isinstance(key, bytes) else str(key)
-        provisioner = await self.get_provisioner_info()
-        provisioner.pop("connection_info", None)  # saved once, above, with the key as text
-        if suspended_at is not None:
-            provisioner["cedana_suspended_at"] = suspended_at
-        last = None
-        with contextlib.suppress(TraitError):  # unset while the kernel is being launched
-            last = getattr(km, "last_activity", None)
-        facts = await server_facts(self.kernel_id_str)
-        return {
-            "format": RECORD_FORMAT,
-            "kernel_id": self.kernel_id_str,
-            "kernel_name": self._spec_name(),
-            "connection_info": info,
-            "provisioner": {"name": "cedana-provisioner", **provisioner},
-            "last_activity": last.isoformat() if isinstance(last, dt.datetime) else None,
-            "execution_state": getattr(km, "execution_state", None),
-            "cwd": str(self.cwd) if getattr(self, "cwd", None) else None,
-            "parked_at": time.time(),
-            # Its kernel (running, or its image) is at the checkpoint agent, not here.
-            "agent": self.remote is not None,
-            **facts,
-        }
-
-    @property
-    def memory_loading(self) -> asyncio.Future[None] | None:
-        """A lazy restore's memory still coming in from the image, or None."""
-        return self._loading
+        return await adoption_record(
+            km,
+            text_key(km.get_connection_info() if km is not None else self.connection_info),
+            await self.get_provisioner_info(),
+            kernel_id=self.kernel_id_str,
+            kernel_name=self.spec_name(),
+            cwd=getattr(self, "cwd", None),
+            at_agent=self.remote is not None,
+            suspended_at=suspended_at,
+        )
 
     def adopt_gpu_state(self, state: dict[str, Any] | None) -> None:
         """The GPU state an adopted kernel's image holds (its manifest's "gpu")."""

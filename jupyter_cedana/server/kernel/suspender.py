@@ -1,5 +1,5 @@
 """Suspend of a kernel: GPU offload, CRIU dump into the store, the durable commit of
-the image with the kernel's record, and the rollbacks when any step fails (restoring.py:
+the image with the kernel's record, and the rollbacks when any step fails (resumer.py:
 the way back).
 
 The record (parkrecords.py: what the next server needs to adopt the kernel) is written
@@ -7,8 +7,9 @@ before the image is committed, while the kernel is still frozen: a record that c
 written fails the suspend and the kernel runs on, so no image is ever committed that a
 server killed right after could not give back.
 
-Mixed into CedanaProvisioner, whose process, pid and ports it acts on; every state
-change goes through the transition machine (transitions.py).
+Composed into CedanaProvisioner (as `suspender`), whose process, pid and ports it acts on
+through handle.KernelHandle; every state change goes through the transition machine
+(transitions.py).
 """
 
 from __future__ import annotations
@@ -29,119 +30,107 @@ from ...checkpoint.store import BASE_NAME
 from ...errors import (
     CedanaError,
     Conflict,
-    EngineUnavailable,
     InsufficientStorage,
     NotCheckpointable,
     SuspendFailed,
 )
 from ...gpu.cuda import CudaStateLeft
 from .compactor import compactor_for
+from .handle import KernelHandle
+from .kernel_tree import continue_tree, kill_tree
 from .ports import kernel_ports
-from .restoring import Restoring
 from .transitions import KernelState
 
 # A kernel's chain of incremental images may hold up to this times its memory on disk.
 CHAIN_LIMIT = 1.2
 
 
-class Checkpointing(Restoring):
-    """suspend() of the provisioner's kernel."""
+class Suspender:
+    """A kernel's suspend, run by its provisioner under the kernel's transition lock."""
 
-    async def suspend(self, tier: str = "disk") -> dict[str, Any]:
+    def __init__(self, kernel: KernelHandle):
+        self.kernel = kernel
+
+    async def suspend(self, tier: str) -> dict[str, Any]:
         """Checkpoint the kernel (process tree and GPU memory) and free its resources."""
-        if tier not in ("disk", "offload"):
-            raise ValueError(f"unknown tier {tier!r}")
-        if self.not_checkpointable:
-            raise EngineUnavailable(
-                f"Kernel {self.kernel_id} cannot be suspended: the checkpoint agent did "
-                f"not start it ({self.not_checkpointable})"
-            )
-        self._refuse_while_shutting_down()
-        return await self.machine.once(f"suspend-{tier}", lambda: self._suspend(tier))
-
-    async def _suspend(self, tier: str) -> dict[str, Any]:
-        await self.memory_loaded()
-        if self.state == KernelState.suspended and (self.tier == tier or tier == "offload"):
-            raise Conflict(f"Kernel {self.kernel_id} is already suspended ({self.tier})")
-        if self.state == KernelState.failed:
-            raise Conflict(
-                f"Kernel {self.kernel_id} failed to resume ({self.reason}); resume it first"
-            )
-        if self.state == KernelState.running and not self.process_alive():
-            raise Conflict(f"Kernel {self.kernel_id} is not running")
-        previous = self.state
+        k = self.kernel
+        await k.memory_loaded()
+        if k.state == KernelState.suspended and (k.tier == tier or tier == "offload"):
+            raise Conflict(f"Kernel {k.kernel_id} is already suspended ({k.tier})")
+        if k.state == KernelState.failed:
+            raise Conflict(f"Kernel {k.kernel_id} failed to resume ({k.reason}); resume it first")
+        if k.state == KernelState.running and not k.process_alive():
+            raise Conflict(f"Kernel {k.kernel_id} is not running")
+        previous = k.state
         # Shown at once (a 202 says `suspending`); clients' messages are held from now on.
-        self.machine.set_state(KernelState.suspending)
+        k.machine.set_state(KernelState.suspending)
         try:
             if previous == KernelState.running:
-                await (
-                    self.machine.before_suspend()
-                )  # e.g. the reply cache learns what the kernel is
+                await k.machine.before_suspend()  # e.g. the reply cache learns what the kernel is
             if tier == "offload":
                 return await self._offload()
             return await self._dump(from_offload=previous == KernelState.suspended)
         except BaseException as e:
-            if self.state == KernelState.suspending:
+            if k.state == KernelState.suspending:
                 # A refusal (Conflict) is the caller's answer, not the kernel's condition.
                 reason = None if isinstance(e, Conflict) else getattr(e, "message", None) or str(e)
-                self.machine.set_state(previous, reason=reason)
+                k.machine.set_state(previous, reason=reason)
             raise
 
     async def _offload(self) -> dict[str, Any]:
-        gpu = await self._gpu()
+        k = self.kernel
+        gpu = await k.engine.cuda_checkpointer()
         if gpu is None:
-            why = self.engine.cuda_status()[1] if self.engine.gpu else "CheckpointEngine.gpu is off"
+            why = k.engine.cuda_status()[1] if k.engine.gpu else "CheckpointEngine.gpu is off"
             raise Conflict(f"GPU offload is unavailable: {why or 'no CUDA checkpoint support'}")
         t0 = time.monotonic()
         try:
-            result = await gpu.offload(
-                process_tree(self.pid or 0), progress=self.gpu_memory.progress
-            )
+            result = await gpu.offload(process_tree(k.pid or 0), progress=k.gpu_memory.progress)
             if not result:
-                raise Conflict(f"Kernel {self.kernel_id} holds no GPU memory: nothing to offload")
+                raise Conflict(f"Kernel {k.kernel_id} holds no GPU memory: nothing to offload")
         except CudaStateLeft as e:
-            self.gpu_memory.left(e)
+            k.gpu_memory.left(e)
             raise
         except BaseException as e:
-            self.machine.set_state(
-                KernelState.running, reason=getattr(e, "message", None) or str(e)
-            )
+            k.machine.set_state(KernelState.running, reason=getattr(e, "message", None) or str(e))
             raise
-        self.gpu_memory.state = dict(result)
-        self.tier = "offload"
-        self.suspended_at = time.time()
-        self.last_suspend_seconds = time.monotonic() - t0
-        self.gpu_memory_freed = int((self.gpu_memory.state or {}).get("bytes_freed", 0))
-        self.checkpoint_bytes = 0
-        self.machine.set_state(KernelState.suspended)
-        return self.summary()
+        k.gpu_memory.state = dict(result)
+        k.tier = "offload"
+        k.suspended_at = time.time()
+        k.last_suspend_seconds = time.monotonic() - t0
+        k.gpu_memory_freed = int((k.gpu_memory.state or {}).get("bytes_freed", 0))
+        k.checkpoint_bytes = 0
+        k.machine.set_state(KernelState.suspended)
+        return k.summary()
 
     def _refuse_unsaved_gpu_memory(self, pids: set[int]) -> None:
         """Without CUDA checkpointing, a kernel holding GPU memory must not be dumped: the
         image would lack its GPU memory (preflight: e.g. a driver older than r570)."""
-        monitor = self.engine.gpu_monitor()
+        k = self.kernel
+        monitor = k.engine.gpu_monitor()
         if monitor is not None and monitor.available and monitor.usage(pids):
             raise NotCheckpointable(
                 "The kernel holds GPU memory but CUDA checkpointing is unavailable: "
-                f"{self.engine.cuda_status()[1]}"
+                f"{k.engine.cuda_status()[1]}"
             )
 
     async def _dump(self, from_offload: bool) -> dict[str, Any]:
-        if self.remote is not None:
+        k = self.kernel
+        if k.remote is not None:
             return await self._dump_at_agent()
-        engine = self.engine
+        engine = k.engine
         engine.require()
         store = engine.store
-        kid = self.kernel_id_str
+        kid = k.kernel_id_str
         t0 = time.monotonic()
-        pids = process_tree(self.pid or 0)
-        gpu_state = self.gpu_memory.state if from_offload else None
-        gpu = await self._gpu()
+        pids = process_tree(k.pid or 0)
+        gpu_state = k.gpu_memory.state if from_offload else None
+        gpu = await k.engine.cuda_checkpointer()
         if not from_offload and gpu is not None:
             try:
-                gpu_state = await gpu.offload(pids, progress=self.gpu_memory.progress) or None
+                gpu_state = await gpu.offload(pids, progress=k.gpu_memory.progress) or None
             except CudaStateLeft as e:
-                self.gpu_memory.left(e)
+                k.gpu_memory.left(e)
                 raise
         elif not from_offload:
             self._refuse_unsaved_gpu_memory(pids)
@@ -149,11 +138,9 @@ class Checkpointing(Restoring):
         try:
             tmp = store.begin(kid)  # a full disk fails here, after the offload: undo it
             base = await asyncio.to_thread(self._base_for, tmp) if engine.keep_base else None
-            dumped = await engine.dump(
-                self.pid or 0, tmp, progress=self.machine.set_progress, base=base
-            )
-            if self.image_guard is not None:
-                self.image_guard(kid, dir_bytes(tmp))
+            dumped = await engine.dump(k.pid or 0, tmp, progress=k.machine.set_progress, base=base)
+            if k.image_guard is not None:
+                k.image_guard(kid, dir_bytes(tmp))
         except BaseException as e:
             await self._undo_dump(e, tmp, pids, gpu, gpu_state if not from_offload else None)
             if isinstance(e, SuspendFailed | InsufficientStorage | asyncio.CancelledError):
@@ -168,10 +155,11 @@ class Checkpointing(Restoring):
     async def _dump_at_agent(self) -> dict[str, Any]:
         """The agent checkpoints the kernel into its own store and ends its process once
         the image is durable; on failure the kernel runs on, as here."""
-        assert self.remote is not None
+        k = self.kernel
+        assert k.remote is not None
         t0 = time.monotonic()
-        monitor = self.engine.gpu_monitor()
-        if monitor is not None and monitor.available and monitor.usage(process_tree(self.pid or 0)):
+        monitor = k.engine.gpu_monitor()
+        if monitor is not None and monitor.available and monitor.usage(process_tree(k.pid or 0)):
             # The image would lack the GPU's memory: the agent has no CUDA checkpointing.
             raise NotCheckpointable(
                 "The kernel holds GPU memory, and GPU checkpoints through the checkpoint "
@@ -180,36 +168,37 @@ class Checkpointing(Restoring):
 
         def progress(update: dict[str, Any]) -> None:
             done, total = update.get("done"), update.get("total")
-            self.machine.set_progress(
+            k.machine.set_progress(
                 str(update.get("phase") or "dump"),
                 done if isinstance(done, int) else None,
                 total if isinstance(total, int) else None,
             )
 
-        dumped = await self.remote.dump(progress)
+        dumped = await k.remote.dump(progress)
         # Nothing to cancel from here: the image is the agent's and the process is gone.
-        self.process = None
-        self.pid = None
-        self.tier = "disk"
-        self.suspended_at = time.time()
-        self.last_suspend_seconds = time.monotonic() - t0
-        self.checkpoint_bytes = int(dumped.get("bytes") or 0)
-        self.port_hold.reserve(self.connection_info)
-        self.machine.set_state(KernelState.suspended)
-        self.log.info(
+        k.process = None
+        k.pid = None
+        k.tier = "disk"
+        k.suspended_at = time.time()
+        k.last_suspend_seconds = time.monotonic() - t0
+        k.checkpoint_bytes = int(dumped.get("bytes") or 0)
+        k.port_hold.reserve(k.connection_info)
+        k.machine.set_state(KernelState.suspended)
+        k.log.info(
             "Suspended kernel %s through the checkpoint agent in %.2f s (%d bytes)",
-            self.kernel_id,
-            self.last_suspend_seconds,
-            self.checkpoint_bytes,
+            k.kernel_id,
+            k.last_suspend_seconds,
+            k.checkpoint_bytes,
         )
-        return self.summary()
+        return k.summary()
 
     def _base_for(self, tmp: Any) -> PageIndex | None:
         """The kernel's kept image, linked into `tmp`, with the index of its pages, for
         the dump to write only what changed; None (a whole image) when there is none, or
         its index is not made yet (it is made while the kernel runs after its resume)."""
-        store = self.engine.store
-        kid = self.kernel_id_str
+        k = self.kernel
+        store = k.engine.store
+        kid = k.kernel_id_str
         if not (store.path(kid) / INDEX_NAME).exists():
             return None
         # A chain that would hold more than this share of the kernel's memory with one
@@ -221,8 +210,8 @@ class Checkpointing(Restoring):
             next_delta = int(top["total_bytes"]) if top.get("base") else 0
         except (CedanaError, KeyError, TypeError, ValueError):
             return None
-        if held + next_delta > CHAIN_LIMIT * tree_rss(self.pid or 0):
-            self.log.info("Kernel %s: suspended whole, its chain holding %d bytes", kid, held)
+        if held + next_delta > CHAIN_LIMIT * tree_rss(k.pid or 0):
+            k.log.info("Kernel %s: suspended whole, its chain holding %d bytes", kid, held)
             return None
         try:
             linked = store.link_base(kid, tmp)
@@ -233,7 +222,7 @@ class Checkpointing(Restoring):
             (linked / INDEX_NAME).unlink()
             return index
         except (OSError, ImageError) as e:
-            self.log.warning("Kernel %s: suspended whole, its base unusable: %s", kid, e)
+            k.log.warning("Kernel %s: suspended whole, its base unusable: %s", kid, e)
             shutil.rmtree(tmp / BASE_NAME, ignore_errors=True)
             return None
 
@@ -247,14 +236,15 @@ class Checkpointing(Restoring):
     ) -> None:
         """Let the kernel run on as before a failed, timed-out or cancelled dump. CRIU
         leaves the tree stopped after a dump, and also when it is killed mid-dump."""
+        k = self.kernel
         if tmp is not None:
-            self.engine.store.discard(tmp)
-        self._continue(pids | process_tree(self.pid or 0))
+            k.engine.store.discard(tmp)
+        continue_tree(pids | process_tree(k.pid or 0))
         if gpu_state is not None and gpu is not None:
-            left = await self.gpu_memory.undo_offload(gpu, gpu_state)
+            left = await k.gpu_memory.undo_offload(gpu, gpu_state)
             if left is not None:
                 raise SuspendFailed(
-                    f"Suspend of kernel {self.kernel_id_str} failed: {error}; {left}"
+                    f"Suspend of kernel {k.kernel_id_str} failed: {error}; {left}"
                 ) from error
 
     async def _commit_dump(
@@ -267,16 +257,17 @@ class Checkpointing(Restoring):
         dumped: DumpResult,
         t0: float,
     ) -> dict[str, Any]:
-        engine = self.engine
+        k = self.kernel
+        engine = k.engine
         store = engine.store
-        kid = self.kernel_id_str
+        kid = k.kernel_id_str
         t_dumped = time.monotonic()
         committed = False
         try:
-            self.machine.set_progress("verify", None, None)
-            pid, ports, spec = self.pid or 0, kernel_ports(self.connection_info), self._spec_name()
+            k.machine.set_progress("verify", None, None)
+            pid, ports, spec = k.pid or 0, kernel_ports(k.connection_info), k.spec_name()
             suspended_at = time.time()
-            record = await self.records.build(suspended_at)
+            record = await k.records.build(suspended_at)
 
             def commit() -> dict[str, Any]:
                 nonlocal committed
@@ -286,10 +277,10 @@ class Checkpointing(Restoring):
                 except (OSError, ImageError, IndexError) as e:
                     # CRIU's own marks still make a working image (a lazy restore that
                     # may read more before the kernel runs): no reason to fail the suspend.
-                    self.log.warning("Kernel %s: lazy marks left as CRIU wrote them: %s", kid, e)
+                    k.log.warning("Kernel %s: lazy marks left as CRIU wrote them: %s", kid, e)
                     marked = 0
                 try:
-                    self.records.hold(record)
+                    k.records.hold(record)
                 except OSError as e:
                     raise SuspendFailed(
                         f"Suspend of kernel {kid} failed: its record (what a server started "
@@ -320,21 +311,21 @@ class Checkpointing(Restoring):
             manifest = await asyncio.to_thread(commit)
         except BaseException as e:
             if not committed:
-                self.records.drop()  # no image was committed: a record would promise one
+                k.records.drop()  # no image was committed: a record would promise one
             await self._undo_dump(e, tmp, pids, gpu, gpu_state if not from_offload else None)
-            self.log.error("%s", getattr(e, "message", None) or e)
+            k.log.error("%s", getattr(e, "message", None) or e)
             if isinstance(e, SuspendFailed):
                 raise
             raise SuspendFailed(f"Suspend of kernel {kid} failed: {e}") from e
         # The image is safe on disk: only now does the kernel's memory go.
         t_commit = time.monotonic()
-        self._kill_tree(self.pid or 0)
-        if self.process is not None:
+        kill_tree(k.pid or 0, k.engine.pidns)
+        if k.process is not None:
             with contextlib.suppress(Exception):
-                await asyncio.to_thread(self.process.wait, 10)
-            self.process = None
+                await asyncio.to_thread(k.process.wait, 10)
+            k.process = None
         t_killed = time.monotonic()
-        self.last_suspend_breakdown = {
+        k.last_suspend_breakdown = {
             **manifest["timings"],
             "before_dump_s": t_dumped - dumped.seconds - t0,  # GPU offload, dump queue
             "commit_s": t_commit - t_dumped,
@@ -342,31 +333,28 @@ class Checkpointing(Restoring):
             # From CRIU's start (it freezes the tree at once) until the tree is gone.
             "frozen_s": dumped.seconds + t_killed - t_dumped,
         }
-        self.port_hold.reserve(self.connection_info)
+        k.port_hold.reserve(k.connection_info)
         if dumped.delta is not None:  # the next suspend's base, unless the image goes
-            self._background(
+            k.background(
                 asyncio.to_thread(_save_index, dumped.delta.index, store.path(kid), manifest)
             )
-        self.gpu_memory.state = gpu_state
-        self.tier = "disk"
-        self.suspended_at = suspended_at
-        self.last_suspend_seconds = time.monotonic() - t0
+        k.gpu_memory.state = gpu_state
+        k.tier = "disk"
+        k.suspended_at = suspended_at
+        k.last_suspend_seconds = time.monotonic() - t0
         # What the checkpoint holds on disk: an incremental image with its bases.
-        self.checkpoint_bytes = int(manifest.get("held_bytes") or manifest["total_bytes"])
-        self.gpu_memory_freed = int((gpu_state or {}).get("bytes_freed", 0))
-        self.machine.set_state(KernelState.suspended)
+        k.checkpoint_bytes = int(manifest.get("held_bytes") or manifest["total_bytes"])
+        k.gpu_memory_freed = int((gpu_state or {}).get("bytes_freed", 0))
+        k.machine.set_state(KernelState.suspended)
         if dumped.delta is not None:  # a longer chain: compacted in the background if due
-            compactor_for(store).schedule(self)
-        self.log.info(
+            compactor_for(store).schedule(k)
+        k.log.info(
             "Suspended kernel %s: %.1f MB in %.2f s",
             kid,
-            self.checkpoint_bytes / 1e6,
-            self.last_suspend_seconds,
+            k.checkpoint_bytes / 1e6,
+            k.last_suspend_seconds,
         )
-        return self.summary()
-
-    def _spec_name(self) -> str | None:
-        return getattr(self.parent, "kernel_name", None)
+        return k.summary()
 
 
 def _delta_summary(dumped: DumpResult) -> dict[str, Any]:
