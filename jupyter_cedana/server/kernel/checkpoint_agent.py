@@ -93,6 +93,9 @@ class CheckpointAgent(SingletonConfigurable):
         self._probed: tuple[float, EngineInfo] | None = None
         # Loops whose server stopped: no probe is started there any more.
         self._stopped: weakref.WeakSet[asyncio.AbstractEventLoop] = weakref.WeakSet()
+        #: The server's engine (serve()): its settings that the agent applies
+        #: (keep_base) are read from it.
+        self.engine: CheckpointEngine | None = None
 
     @property
     def enabled(self) -> bool:
@@ -217,6 +220,13 @@ class CheckpointAgent(SingletonConfigurable):
         available is this agent's probe (the server runs no CRIU of its own to probe),
         refreshed in the background until `close()`."""
         engine.probe_through = self.probe
+        self.engine = engine
+
+    @property
+    def keep_base(self) -> bool:
+        """Whether a restored kernel's image is kept at the agent as the base of its next
+        dump (CheckpointEngine.keep_base of the server's engine)."""
+        return self.engine is not None and bool(self.engine.keep_base)
 
     async def close(self) -> None:
         """The server stops: nothing more is asked in the background on this loop, and a
@@ -361,17 +371,26 @@ class AgentKernel:
                 raise _as_cedana(e, "signal") from e
 
     async def dump(self, progress: ProgressCallback | None = None) -> dict[str, Any]:
+        """The agent's reply, with `bytes` what the kernel's checkpoint holds on disk (a
+        delta with its bases, as a root server counts it) and `image_bytes` what this
+        dump wrote."""
         try:
             reply = await self.agent.call(lambda c: c.dump(self.kernel_id, progress))
         except AgentError as e:
             raise _as_cedana(e, "suspend", SuspendFailed) from e
         self.has_image = True
         self.pid = 0
-        return reply
+        written = int(reply.get("bytes") or 0)
+        return {**reply, "bytes": int(reply.get("held_bytes") or written), "image_bytes": written}
 
     async def restore(self, lazy: bool, progress: ProgressCallback | None = None) -> int:
+        """With the server's `keep_base` on, the agent keeps the image as the base of the
+        kernel's next dump, which is then a delta on it (docs/incremental.md)."""
+        args: dict[str, Any] = {"kernel_id": self.kernel_id, "lazy": lazy}
+        if self.agent.keep_base:
+            args["keep_base"] = True
         try:
-            reply = await self.agent.call(lambda c: c.restore(self.kernel_id, lazy, progress))
+            reply = await self.agent.call(lambda c: c.request("restore", args, progress))
         except AgentError as e:
             raise _as_cedana(e, "resume", ResumeFailed) from e
         self.has_image = False
