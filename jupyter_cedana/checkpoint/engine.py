@@ -24,12 +24,13 @@ from jupyter_core.paths import jupyter_data_dir
 from traitlets import Bool, Float, Integer, List, Unicode, default
 from traitlets.config import SingletonConfigurable
 
-from ..errors import EngineUnavailable, ResumeFailed
+from ..errors import EngineUnavailable
 from ..package_files import BIN_DIR, NO_PLUGINS_DIR
 from . import criucache
-from .dumping import DumpResult, ProgressCallback, criu_dump, criu_errors
+from .criu_restore import start_criu_restore, wait_criu_restore
+from .dumping import DumpResult, ProgressCallback, criu_dump
 from .incremental import PageIndex
-from .procmount import MOUNT_NS_ARGS, dump_turn
+from .procmount import dump_turn
 from .store import CheckpointStore
 
 MIN_CRIU = (4, 2)
@@ -427,50 +428,8 @@ class CheckpointEngine(SingletonConfigurable):
     def start_restore(
         self, images: Path, work: Path, pidfile: Path, lazy: bool = False
     ) -> subprocess.Popen[bytes]:
-        """Start `criu restore -d` under cedana-init's keeper, a child subreaper that
-        becomes the restored tree's parent once CRIU exits (reaping it, so the kernel never
-        lingers as a zombie) and exits when the tree does: the returned process stands
-        for the kernel. The tree is left stopped: the caller continues it (SIGCONT) once
-        the image's checksums, verified meanwhile, are known to be right. `lazy`: the
-        memory pages come from a page server listening in `work` (lazy.PageServer)."""
-        info = self.require()
-        keeper = [self.init_binary(), "--keeper", str(pidfile)]
-        if self.kernels_die_with_server:
-            keeper += ["--die-with-parent", "--parent-pid", str(os.getpid())]
-        cmd = [
-            *keeper,
-            "--",
-            *self.base_args(info),
-            "restore",
-            "-d",
-            "--libdir",
-            self.plugin_dir(),
-            "-D",
-            str(images),
-            "-W",
-            str(work),
-            "-o",
-            "restore.log",
-            "-v4",
-            "--tcp-close",
-            "--file-locks",
-            "--pidfile",
-            str(pidfile),
-            "--leave-stopped",
-            *(["--lazy-pages"] if lazy else []),
-            # The kernel's mount namespace (cedana-init --pidns): rooted at ours again.
-            *(["--root", "/", *MOUNT_NS_ARGS] if any(images.glob("mountpoints-*.img")) else []),
-            *self.extra_restore_args,
-        ]
-        self.log.debug("running %s", " ".join(cmd))
-        return subprocess.Popen(
-            cmd,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            start_new_session=True,
-            env=self.criu_env(),
-        )
+        """Start `criu restore -d` of `images`, the tree left stopped (criu_restore.py)."""
+        return start_criu_restore(self, self.base_args(self.require()), images, work, pidfile, lazy)
 
     async def wait_restored(
         self,
@@ -479,25 +438,7 @@ class CheckpointEngine(SingletonConfigurable):
         pidfile: Path,
     ) -> int:
         """Wait until CRIU reports the restored root's PID; raise with CRIU's reason if not."""
-        t0 = time.monotonic()
-        while True:
-            try:
-                text = pidfile.read_text().strip()
-                if text:
-                    return int(text)
-            except (FileNotFoundError, ValueError):
-                pass
-            rc = proc.poll()
-            if rc is not None:
-                # Let CRIU's own message explain; the image is left untouched.
-                raise ResumeFailed(
-                    f"CRIU restore failed (exit {rc}): {criu_errors(work / 'restore.log')}"
-                )
-            if time.monotonic() - t0 > self.restore_timeout:
-                # The caller kills it (kill_restore, in a thread: it waits for CRIU).
-                raise ResumeFailed(f"CRIU restore took longer than {self.restore_timeout:.0f} s")
-            # Often: every resume waits for this, and its first output with it.
-            await asyncio.sleep(0.005)
+        return await wait_criu_restore(proc, work, pidfile, self.restore_timeout)
 
 
 def kill_restore(proc: subprocess.Popen[bytes]) -> None:
