@@ -55,31 +55,39 @@ def read_varint(data: bytes, pos: int) -> tuple[int, int]:
         shift += 7
 
 
-def decode(message: bytes) -> Fields:
-    """Field number → values (ints for varint and fixed fields, bytes for the rest)."""
-    fields: Fields = {}
+def fields_in_order(message: bytes) -> list[tuple[int, int, bytes, int | bytes]]:
+    """(field number, wire type, raw bytes of the field, value) of each field of a
+    protobuf message, in order, so that a message can be written back with only some
+    values changed (portremap.py)."""
+    out = []
     pos = 0
     while pos < len(message):
+        start = pos
         key, pos = read_varint(message, pos)
         number, wire = key >> 3, key & 7
         value: int | bytes
         if wire == 0:
             value, pos = read_varint(message, pos)
         elif wire == 1:
-            value = struct.unpack_from("<Q", message, pos)[0]
-            pos += 8
+            value, pos = struct.unpack_from("<Q", message, pos)[0], pos + 8
         elif wire == 5:
-            value = struct.unpack_from("<I", message, pos)[0]
-            pos += 4
+            value, pos = struct.unpack_from("<I", message, pos)[0], pos + 4
         elif wire == 2:
             length, pos = read_varint(message, pos)
-            value = message[pos : pos + length]
-            pos += length
+            value, pos = message[pos : pos + length], pos + length
         else:
             raise ImageError(f"unsupported wire type {wire}")
-        fields.setdefault(number, []).append(value)
+        out.append((number, wire, message[start:pos], value))
     if pos != len(message):
         raise ImageError("truncated record")
+    return out
+
+
+def decode(message: bytes) -> Fields:
+    """Field number → values (ints for varint and fixed fields, bytes for the rest)."""
+    fields: Fields = {}
+    for number, _wire, _raw, value in fields_in_order(message):
+        fields.setdefault(number, []).append(value)
     return fields
 
 

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CheckpointCorrupt
-from .crimg import ImageError, decode, read_varint, varint_bytes
+from .crimg import ImageError, decode, fields_in_order, varint_bytes
 from .durable import fsync_path
 from .integrity import file_crc32
 from .store import CheckpointStore
@@ -39,33 +39,6 @@ _FILE_TYPE, _FILE_ISK = 1, 4  # file_entry: type, isk
 # inet_sk_entry (CRIU images/sk-inet.proto)
 _FAMILY, _STATE, _SRC_PORT, _DST_PORT, _SRC_ADDR, _DST_ADDR = 3, 6, 7, 8, 11, 12
 _TCP_LISTEN = 10
-
-
-def _fields(message: bytes) -> list[tuple[int, int, bytes, int | bytes]]:
-    """(field number, wire type, raw bytes of the field, value) in order, so that a
-    message can be written back with only some values changed."""
-    out = []
-    pos = 0
-    while pos < len(message):
-        start = pos
-        key, pos = read_varint(message, pos)
-        number, wire = key >> 3, key & 7
-        value: int | bytes
-        if wire == 0:
-            value, pos = read_varint(message, pos)
-        elif wire == 1:
-            value, pos = struct.unpack_from("<Q", message, pos)[0], pos + 8
-        elif wire == 5:
-            value, pos = struct.unpack_from("<I", message, pos)[0], pos + 4
-        elif wire == 2:
-            length, pos = read_varint(message, pos)
-            value, pos = message[pos : pos + length], pos + length
-        else:
-            raise ImageError(f"unsupported wire type {wire}")
-        out.append((number, wire, message[start:pos], value))
-    if pos != len(message):
-        raise ImageError("truncated record")
-    return out
 
 
 def _records(data: bytes) -> tuple[bytes, list[bytes]]:
@@ -131,7 +104,7 @@ def _free_port(family: int, address: str, avoid: set[int]) -> int:
 
 
 def _rewrite_isk(isk: bytes, ports: dict[int, int]) -> bytes:
-    fields = _fields(isk)
+    fields = fields_in_order(isk)
     values = {n: v for n, _, _, v in fields}
     local = [v for n, _, _, v in fields if n == _SRC_ADDR]
     remote = [v for n, _, _, v in fields if n == _DST_ADDR]
@@ -153,7 +126,7 @@ def rewrite_files_img(data: bytes, ports: dict[int, int]) -> bytes:
     magic, records = _records(data)
     out = bytearray(magic)
     for record in records:
-        fields = _fields(record)
+        fields = fields_in_order(record)
         if not any(n == _FILE_TYPE and v == _INETSK for n, _, _, v in fields):
             out += struct.pack("<I", len(record)) + record
             continue
