@@ -251,6 +251,8 @@ class CheckpointOps:
                 # A port rewrite (free_ports) cut short by the agent's death is completed
                 # or undone, so the checksums below hold.
                 await asyncio.to_thread(portremap.finish, store, kid)
+                # A chain's layers: CRIU follows their parent links as root.
+                await asyncio.to_thread(check_chain, images)
                 if lazy and await asyncio.to_thread(self.engine.lazy_unsupported) is None:
                     manifest = await asyncio.to_thread(store.check_sizes, kid)
                     if not _chunked(manifest):
@@ -260,8 +262,6 @@ class CheckpointOps:
                     await asyncio.to_thread(store.verify_small_files, kid, manifest)
                 else:
                     await asyncio.to_thread(store.verify, kid, _throttled(frames, "verifying"))
-                # Its bases too: CRIU follows the chain's parent links as root.
-                await asyncio.to_thread(check_chain, images)
                 await asyncio.to_thread(
                     verify_owner,
                     images,

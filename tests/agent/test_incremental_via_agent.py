@@ -278,3 +278,25 @@ def test_the_servers_client_asks_to_keep_the_base_when_its_engine_does(
         dumped = json.loads(out.stdout.splitlines()[-1])
         assert dumped["bytes"] == image["held_bytes"], (dumped, image)
         assert dumped["image_bytes"] == image["bytes"], (dumped, image)
+
+
+def test_a_chain_whose_parent_link_leads_elsewhere_is_refused(
+    agent: Agent, kernels: list[Kernel]
+) -> None:
+    kernel, _ = launch(agent, kernels, USER)
+    kernel.run("x = bytearray(8 << 20)")
+    dump(agent, kernel)
+    ok(restore(agent, kernel, lazy=False, keep_base=True))
+    kernel.run("x[:10] = b'0123456789'")
+    assert "delta" in dump(agent, kernel)
+    image = agent.state_dir / "images" / str(UID) / kernel.id
+    # CRIU would read in-parent pages from wherever `parent` points, as root.
+    elsewhere = agent.base / "elsewhere"
+    elsewhere.mkdir()
+    (image / "parent").unlink()
+    (image / "parent").symlink_to(elsewhere)
+    refused = restore(agent, kernel, lazy=False)
+    assert refused["error"]["code"] == "refused", refused
+    assert "parent link" in refused["error"]["message"], refused
+    assert not image.exists()  # moved aside for the administrator, never restored
+    assert images_of(agent, USER)["refused"] != []
