@@ -15,8 +15,15 @@ from typing import Any
 import pytest
 
 from tests.conftest import AGENT_SOCKET
-from tests.test_incremental_budget import ARRAY, CELL, KERNEL, idle_kernel, indexed
-from tests.test_server import api, connect, manager, new_kernel  # noqa: F401
+from tests.test_incremental_budget import (
+    ARRAY,
+    CELL,
+    KERNEL,
+    idle_kernel,
+    indexed,
+    keep_base_config,
+)
+from tests.test_server import api, connect, manager, new_kernel, started  # noqa: F401
 
 pytestmark = [
     pytest.mark.criu,
@@ -28,20 +35,9 @@ STATE = "print(int(a.sum() % 1000003))"
 
 @pytest.fixture
 def jp_server_config(checkpoint_root: Path) -> dict[str, Any]:
-    return {
-        "ServerApp": {"jpserver_extensions": {"jupyter_cedana": True}},
-        "CedanaApp": {"checkpoint_root": str(checkpoint_root)},
-        "CheckpointEngine": {"keep_base": True},
-        "SuspendPolicy": {"idle_timeout": 0, "check_interval": 3600},
-        # By count only: a chain with two deltas is folded.
-        "SuspendLimits": {"compact_chain_deltas": 1, "compact_chain_ratio": 0.0},
-    }
-
-
-@pytest.fixture(autouse=True)
-async def started(jp_serverapp: Any) -> Any:
-    await jp_serverapp.extension_manager.start_extension("jupyter_cedana")
-    return jp_serverapp
+    # By count only: a chain with two deltas is folded.
+    limits = {"compact_chain_deltas": 1, "compact_chain_ratio": 0.0}
+    return keep_base_config(checkpoint_root, SuspendLimits=limits)
 
 
 async def test_a_chain_past_the_limit_is_folded_and_counted_whole(

@@ -16,7 +16,7 @@ import pytest
 
 from jupyter_cedana.checkpoint.incremental import INDEX_NAME
 from jupyter_cedana.server.limits import estimate_image_bytes
-from tests.test_server import api, connect, manager, new_kernel  # noqa: F401
+from tests.test_server import api, connect, manager, new_kernel, started  # noqa: F401
 
 pytestmark = pytest.mark.criu
 
@@ -24,20 +24,21 @@ KERNEL = "/kernels/{kernel_id}"
 SUSPEND = "/kernels/{kernel_id}/suspend"
 
 
-@pytest.fixture
-def jp_server_config(checkpoint_root: Path) -> dict[str, Any]:
+def keep_base_config(checkpoint_root: Path, **more: dict[str, Any]) -> dict[str, Any]:
+    """A server that keeps a resumed kernel's image as the base of its next suspend, and
+    suspends only when asked (the tests hold the policy off); `more`: further sections."""
     return {
         "ServerApp": {"jpserver_extensions": {"jupyter_cedana": True}},
         "CedanaApp": {"checkpoint_root": str(checkpoint_root)},
         "CheckpointEngine": {"keep_base": True},
         "SuspendPolicy": {"idle_timeout": 0, "check_interval": 3600},
+        **more,
     }
 
 
-@pytest.fixture(autouse=True)
-async def started(jp_serverapp: Any) -> Any:
-    await jp_serverapp.extension_manager.start_extension("jupyter_cedana")
-    return jp_serverapp
+@pytest.fixture
+def jp_server_config(checkpoint_root: Path) -> dict[str, Any]:
+    return keep_base_config(checkpoint_root)
 
 
 async def idle_kernel(new_kernel: Any, connect: Any, code: str) -> tuple[str, Any]:
