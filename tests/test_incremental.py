@@ -176,3 +176,48 @@ def test_a_dump_on_an_unrelated_base_writes_every_page(
     assert capture.delta.written == capture.delta.pages
     assert page_bytes(tmp_path / "images") >= 32 * MB
     assert restored_digest(filler, tmp_path / "images", tmp_path) == before
+
+
+class _BrokenIndex(dict):  # type: ignore[type-arg]
+    """A base whose lookups fail: what any failure on the packing thread looks like."""
+
+    def __contains__(self, key: object) -> bool:
+        raise MemoryError("lookup failed")
+
+
+def test_a_failure_while_packing_fails_the_dump_and_the_process_runs_on(
+    tmp_path: Path, filler: subprocess.Popen[bytes]
+) -> None:
+    """Packing runs on its own thread while the receiver reads on: a failure there must
+    still reach CRIU (its pipes closed: the dump fails, not hangs) and the capture's
+    error, and the process, left by CRIU, runs on with its memory."""
+    base = PageIndex(tmp_path)
+    base.where = _BrokenIndex()
+    before = digest_of(filler.pid, tmp_path)
+    images = tmp_path / "images"
+    images.mkdir()
+    capture = ImageCapture(images, base=base).start()
+    done = subprocess.run(
+        [
+            "criu",
+            "dump",
+            "-t",
+            str(filler.pid),
+            "-D",
+            ".",
+            "-o",
+            "dump.log",
+            "--shell-job",
+            "--stream",
+        ],
+        cwd=images,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    capture.finish()
+    assert done.returncode != 0
+    assert capture.error is not None and "packing an incremental image" in capture.error
+    assert "lookup failed" in capture.error
+    assert filler.poll() is None
+    assert digest_of(filler.pid, tmp_path) == before

@@ -29,12 +29,11 @@ import socket
 import struct
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 from .crimg import PAGE_SIZE, ImageError, decode
-from .digests import DIGEST_SIZE, page_digests
+from .delta_capture import DeltaPacker, DeltaSink
 from .incremental import DeltaResult, DeltaStream, PageIndex, finish_delta
 from .integrity import (
     CHUNK_SIZE,
@@ -135,7 +134,11 @@ class ImageCapture:
         self._dir = directory
         # On a base, only pages whose content the base lacks are written (incremental.py).
         self._base = base
-        self._hashers = ThreadPoolExecutor(2, "cedana-capture-h") if base is not None else None
+        self._packer = (
+            DeltaPacker(base, self._recycle, self._queue_write, self._fail, self._failed)
+            if base is not None
+            else None
+        )
         self.delta: DeltaResult | None = None
         self._step = writeback_step
         self._chunk_size = chunk_size
@@ -173,6 +176,8 @@ class ImageCapture:
         self._receiver.start()
         for w in self._writers:
             w.start()
+        if self._packer is not None:
+            self._packer.start()
         return self
 
     def _bind(self) -> None:
@@ -197,8 +202,6 @@ class ImageCapture:
             w.join()
         os.close(self._wake_r)
         os.close(self._wake_w)
-        if self._hashers is not None:
-            self._hashers.shutdown()
         with contextlib.suppress(OSError):
             (self._dir / SOCKET_NAME).unlink()
         if self.error is None and self._base is not None:
@@ -216,6 +219,18 @@ class ImageCapture:
     def _fail(self, why: str) -> None:
         if self.error is None:
             self.error = why
+
+    def _failed(self) -> bool:
+        return self.error is not None
+
+    def _recycle(self, buf: mmap.mmap) -> None:
+        self._pool.put(buf)
+
+    def _queue_write(self, sink: DeltaSink, offset: int, buf: mmap.mmap, n: int) -> None:
+        assert isinstance(sink, _Sink)
+        with self._written:
+            sink.writing += 1
+        self._writes.put((sink, offset, buf, n, set()))
 
     def _close_listener(self) -> None:
         with contextlib.suppress(OSError):
@@ -274,6 +289,8 @@ class ImageCapture:
         except Exception as e:  # any failure must fail the dump, not hang it
             self._fail(str(e) if isinstance(e, CaptureFailed) else f"{type(e).__name__}: {e}")
         finally:
+            if self._packer is not None:  # its last buffers go to the writers first
+                self._packer.close()
             # On failure CRIU finds its pipes closed (EPIPE) and fails the dump.
             for sink in sinks.values():
                 with contextlib.suppress(OSError):
@@ -365,8 +382,12 @@ class ImageCapture:
     def _hand_to_writer(self, sink: _Sink) -> None:
         """Chunk CRCs and zero chunks of a full buffer, then the writer writes it."""
         assert sink.buf is not None
-        if self._base is not None:
-            self._hand_delta(sink, self._base)
+        if self._packer is not None:  # on a base: hashed and packed on the packer's thread
+            buf, n = sink.buf, sink.fill
+            whole = n - n % PAGE_SIZE
+            sink.carry = bytes(buf[whole:n])  # put at the start of the next buffer
+            sink.buf = None
+            self._packer.hand(sink, buf, whole)
             return
         size, n, offset = self._chunk_size, sink.fill, sink.size
         view = memoryview(sink.buf)[:n]
@@ -386,45 +407,6 @@ class ImageCapture:
         self._writes.put((sink, offset, sink.buf, n, zero))
         sink.buf = None
 
-    def _hand_delta(self, sink: _Sink, base: PageIndex) -> None:
-        """On a base: each whole page of the buffer hashed (each half on its own thread:
-        the digests are one call that lets go of the GIL), the pages the base has
-        nowhere dropped from it, the rest packed to its front and written after what the
-        file holds."""
-        assert sink.buf is not None and self._hashers is not None
-        buf, n = sink.buf, sink.fill
-        whole = n - n % PAGE_SIZE
-        sink.carry = bytes(buf[whole:n])  # put at the start of the next buffer
-        view = memoryview(buf)
-        pages = whole // PAGE_SIZE
-        half = pages // 2 * PAGE_SIZE
-        parts = self._hashers.map(page_digests, (view[:half], view[half:whole]))
-        digests = b"".join(parts)
-        known = base.where
-        kept = bytes(
-            digests[i * DIGEST_SIZE : (i + 1) * DIGEST_SIZE] not in known for i in range(pages)
-        )
-        sink.delta.digests += digests
-        sink.delta.kept += kept
-        out = 0
-        for i in range(pages):  # packed in place: a page only ever moves down
-            if kept[i]:
-                if out != i:
-                    view[out * PAGE_SIZE : (out + 1) * PAGE_SIZE] = view[
-                        i * PAGE_SIZE : (i + 1) * PAGE_SIZE
-                    ]
-                out += 1
-        offset = sink.size
-        sink.hasher.update(view[: out * PAGE_SIZE])
-        view.release()
-        sink.buf = None
-        if not out:
-            self._pool.put(buf)
-            return
-        with self._written:
-            sink.writing += 1
-        self._writes.put((sink, offset, buf, out * PAGE_SIZE, set()))
-
     def _end_file(self, sink: _Sink) -> None:
         os.close(sink.rfd)
         if sink.pages:
@@ -433,11 +415,18 @@ class ImageCapture:
                 sink.buf = None
             if sink.carry:
                 raise CaptureFailed(f"{sink.name}: CRIU's stream ended mid-page")
-            self.sums[sink.name] = (sink.size, sink.hasher.crcs())
-            self._streams[sink.name] = sink.delta
-            self._writes.put((sink, sink.size, None, 0, set()))  # closes it, after its writes
+            if self._packer is not None:
+                self._packer.then(lambda: self._seal(sink))
+            else:
+                self._seal(sink)
         else:
             sink.close()
+
+    def _seal(self, sink: _Sink) -> None:
+        """Once all of a page file's bytes are handed to the writers."""
+        self.sums[sink.name] = (sink.size, sink.hasher.crcs())
+        self._streams[sink.name] = sink.delta
+        self._writes.put((sink, sink.size, None, 0, set()))  # closes it, after its writes
 
     # The writing threads: a buffer's non-zero chunk runs go to disk while the next fill,
     # several buffers at once (each at its own offset); a file is closed once all are in.
