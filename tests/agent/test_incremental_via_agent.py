@@ -16,12 +16,14 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
-from . import test_launch
+from . import test_launch, test_restart
 from .conftest import USER_PYTHON, Agent
 from .servers_on_agent import eventually
 from .test_launch import Kernel, launch
+from .test_restart import Agents, kernels_of
 
 kernels = test_launch.kernels  # the fixture: kernels launched here, closed after
+agents = test_restart.agents  # the fixture: agents started one after the other
 
 USER, OTHER = "cedana-test", "cedana-test2"
 UID = 1001
@@ -300,3 +302,31 @@ def test_a_chain_whose_parent_link_leads_elsewhere_is_refused(
     assert "parent link" in refused["error"]["message"], refused
     assert not image.exists()  # moved aside for the administrator, never restored
     assert images_of(agent, USER)["refused"] != []
+
+
+def test_a_kept_base_outlives_an_agent_restart_and_goes_with_a_kernel_that_died_meanwhile(
+    agents: Agents,
+) -> None:
+    agent = agents.start()
+    lives, _ = agents.launch(agent, USER)
+    dies, _ = agents.launch(agent, USER)
+    for kernel in (lives, dies):
+        kernel.run("z = bytearray(range(256)) * (32 << 12)")  # 8 MiB
+        dump(agent, kernel)
+        ok(restore(agent, kernel, lazy=False, keep_base=True))
+    bases = agent.state_dir / "bases" / str(UID)
+    indexed = [bases / k.id / "page-index.bin" for k in (lives, dies)]
+    assert eventually(lambda: all(p.exists() for p in indexed))
+    # The agent killed (its kernels run on), and one kernel dies while no agent runs.
+    init = kernels_of(agent, USER)[dies.id]["pid"]
+    agents.kill(agent)
+    os.kill(init, signal.SIGKILL)
+    agent = agents.start()
+    listed = {k["kernel_id"]: k for k in ok(agent.run_as(USER, "list"))["kernels"]}
+    assert listed[dies.id]["state"] == "exited" and "held_bytes" not in listed[dies.id]
+    assert not (bases / dies.id).exists()
+    assert listed[lives.id]["state"] == "running" and listed[lives.id]["held_bytes"] > 8 * MB
+    # The living kernel's next dump is a delta on the base the last agent kept.
+    lives.run("z[:4] = b'abcd'")
+    reply = dump(agent, lives)
+    assert "delta" in reply and reply["bytes"] < reply["held_bytes"] // 2, reply
