@@ -289,8 +289,10 @@ class CheckpointOps:
                 if manifest is not None:
                     pages = await self._page_server(store, kid, manifest, work, images)
                 pid, keeper = await self._restore(work, images, caller.uid, caller.gid, pages)
-            except BaseException:
+            except BaseException as e:
                 record.state = State.dumped
+                if isinstance(e, CedanaError):  # a damaged chunk CRIU would read first
+                    raise AgentError("failed", e.message) from e
                 raise
             self.kernels.mark_restored(
                 caller.uid, kid, pid, cast(asyncio.subprocess.Process, Keeper(keeper))
