@@ -16,14 +16,16 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
-from . import test_launch, test_restart
-from .conftest import USER_PYTHON, Agent
+from . import checkpoint_fixtures, test_launch, test_restart
+from .conftest import USER_PYTHON, Agent, stop_agent
 from .servers_on_agent import eventually
 from .test_launch import Kernel, launch
 from .test_restart import Agents, kernels_of
 
 kernels = test_launch.kernels  # the fixture: kernels launched here, closed after
 agents = test_restart.agents  # the fixture: agents started one after the other
+configured_agent = checkpoint_fixtures.configured_agent  # agents with a checkpoint.json
+loose_kernels = checkpoint_fixtures.loose_kernels
 
 USER, OTHER = "cedana-test", "cedana-test2"
 UID = 1001
@@ -332,7 +334,7 @@ def test_a_kept_base_outlives_an_agent_restart_and_goes_with_a_kernel_that_died_
     lives, _ = agents.launch(agent, USER)
     dies, _ = agents.launch(agent, USER)
     for kernel in (lives, dies):
-        kernel.run("z = bytearray(range(256)) * (32 << 12)")  # 8 MiB
+        kernel.run("z = bytearray(range(256)) * (32 << 12)")  # 32 MiB
         dump(agent, kernel)
         ok(restore(agent, kernel, lazy=False, keep_base=True))
     bases = agent.state_dir / "bases" / str(UID)
@@ -351,3 +353,35 @@ def test_a_kept_base_outlives_an_agent_restart_and_goes_with_a_kernel_that_died_
     lives.run("z[:4] = b'abcd'")
     reply = dump(agent, lives)
     assert "delta" in reply and reply["bytes"] < reply["held_bytes"] // 2, reply
+
+
+def test_the_quota_counts_chains_and_kept_bases(
+    configured_agent: Any, loose_kernels: list[Kernel]
+) -> None:
+    # Measured on an agent without a quota to speak of, then set to 1.5 times the image:
+    # a chain fits (its base counted once), a kept base and a whole image more do not.
+    probe: Agent = configured_agent({})
+    kernel, _ = launch(probe, loose_kernels, USER)
+    kernel.run("w = bytearray(range(256)) * (64 << 12)")  # 64 MiB
+    whole = dump(probe, kernel)["bytes"]
+    ok(probe.run_as(USER, "discard", {"kernel_id": kernel.id}))
+    stop_agent(probe)
+
+    agent: Agent = configured_agent({"quota_bytes": whole * 3 // 2})
+    kernel, _ = launch(agent, loose_kernels, USER)
+    kernel.run("w = bytearray(range(256)) * (64 << 12)")
+    dump(agent, kernel)
+    ok(restore(agent, kernel, lazy=False, keep_base=True))
+    kernel.run("w[:8] = b'12345678'")
+    delta = dump(agent, kernel)
+    assert "delta" in delta, delta
+    listed = images_of(agent, USER)
+    assert delta["held_bytes"] <= listed["used_bytes"] <= listed["quota_bytes"], listed
+    # Restored, its chain is its kept base, in the quota: a whole image more does not fit.
+    ok(restore(agent, kernel, lazy=False, keep_base=True))
+    assert images_of(agent, USER)["used_bytes"] >= delta["held_bytes"]
+    other, _ = launch(agent, loose_kernels, USER)
+    other.run("v = bytearray(range(256)) * (64 << 12)")
+    refused = agent.run_as(USER, "dump", {"kernel_id": other.id}, timeout=300)
+    assert refused["error"]["code"] == "refused" and "quota" in refused["error"]["message"]
+    assert other.run("print(len(v))").strip() == str(64 << 20)
