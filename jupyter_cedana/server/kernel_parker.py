@@ -32,19 +32,13 @@ GIVEN_BACK = "parked at its checkpoint"
 
 
 class KernelParker:
-    """Parks the kernels of one server's SuspendManager, one call per kernel."""
+    """Parks the kernels of one server's SuspendManager as it stops, one call per kernel."""
 
     def __init__(self, manager: Any, log: Any):
         self.manager = manager
+        self.mkm = manager.kernel_manager
+        self.store = manager.engine.store
         self.log = log
-
-    @property
-    def mkm(self) -> Any:
-        return self.manager.kernel_manager
-
-    @property
-    def store(self) -> Any:
-        return self.manager.engine.store
 
     async def park(
         self,
