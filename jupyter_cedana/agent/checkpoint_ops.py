@@ -156,6 +156,7 @@ class CheckpointOps:
                 await asyncio.to_thread(self._ensure_kdat)
             store = self.store.for_uid(caller.uid)
             self.bases.sweep(caller.uid)
+            await self.bases.ready(caller.uid, kid)  # its base's index, if it has one
             record.state = State.dumping
             pid = record.init_pid
             tmp = store.begin(kid)

@@ -130,13 +130,20 @@ class KeptBases:
             return False
         _fsync_dir(image.parent)
         _fsync_dir(dest.parent)
-        if not (dest / INDEX_NAME).exists():
-            key = (uid, kid)
-            task = asyncio.ensure_future(asyncio.to_thread(_index, dest))
-            self._indexing[key] = task
-            task.add_done_callback(lambda t: self._forget_index(key, t))
+        self._start_index(uid, kid)
         self._update(uid, kid)
         return True
+
+    def _start_index(self, uid: int, kid: str) -> asyncio.Future[None] | None:
+        """Index the kernel's base in the background, unless it has its index or is
+        being indexed: the task, None when there is nothing to wait for."""
+        key = (uid, kid)
+        task = self._indexing.get(key)
+        if task is None and not (self.path(uid, kid) / INDEX_NAME).exists():
+            task = asyncio.ensure_future(asyncio.to_thread(_index, self.path(uid, kid)))
+            self._indexing[key] = task
+            task.add_done_callback(lambda t: self._forget_index(key, t))
+        return task
 
     def _forget_index(self, key: tuple[int, str], task: asyncio.Future[None]) -> None:
         if self._indexing.get(key) is task:
@@ -196,12 +203,19 @@ class KeptBases:
         index could not be made, or the chain is long enough to be replaced."""
         if not self.has(uid, kid):
             return None
-        task = self._indexing.get((uid, kid))
+        await self.ready(uid, kid)
+        return await asyncio.to_thread(self._link, uid, kid, tmp, pid)
+
+    async def ready(self, uid: int, kid: str) -> None:
+        """Wait (at most INDEX_WAIT) for the index of the kernel's base if it is being
+        made, or make it if it never was (the agent restarted first): called before the
+        dump freezes the kernel, which runs meanwhile."""
+        if not self.has(uid, kid):
+            return
+        task = self._start_index(uid, kid)
         if task is not None:
-            # An index still being made: the dump waits for it (the kernel still runs).
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(asyncio.shield(task), INDEX_WAIT)
-        return await asyncio.to_thread(self._link, uid, kid, tmp, pid)
 
     def _link(self, uid: int, kid: str, tmp: Path, pid: int) -> PageIndex | None:
         bases = self.for_uid(uid)

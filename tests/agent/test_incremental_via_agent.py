@@ -344,12 +344,15 @@ def test_a_kept_base_outlives_an_agent_restart_and_goes_with_a_kernel_that_died_
     init = kernels_of(agent, USER)[dies.id]["pid"]
     agents.kill(agent)
     os.kill(init, signal.SIGKILL)
+    # As if the agent had died before it indexed the base: the next agent indexes it.
+    (bases / lives.id / "page-index.bin").unlink()
     agent = agents.start()
     listed = {k["kernel_id"]: k for k in ok(agent.run_as(USER, "list"))["kernels"]}
     assert listed[dies.id]["state"] == "exited" and "held_bytes" not in listed[dies.id]
     assert not (bases / dies.id).exists()
     assert listed[lives.id]["state"] == "running" and listed[lives.id]["held_bytes"] > 8 * MB
     # The living kernel's next dump is a delta on the base the last agent kept.
+    assert not (bases / lives.id / "page-index.bin").exists()
     lives.run("z[:4] = b'abcd'")
     reply = dump(agent, lives)
     assert "delta" in reply and reply["bytes"] < reply["held_bytes"] // 2, reply
