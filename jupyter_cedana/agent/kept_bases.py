@@ -12,9 +12,9 @@ image is a delta, whose dump saved its index). The next dump waits for that inde
 most INDEX_WAIT), hard-links the base into its temporary directory as `base/`
 (CheckpointStore.link_base: no byte copied), and the capture writes only what changed;
 the commit makes the delta's `parent` link and manifest name the chain, and the kept
-base goes (its files live on through the links). A base goes too when its kernel exits,
-is dumped whole or is dumped at all (it is in the new image then), and the agent drops
-any base whose kernel does not run (`sweep`): it is a cache, never a kernel's state.
+base goes (its files live on through the links). A base goes too when its kernel exits
+or is dumped whole (the new image replaces it), and the agent drops any base whose
+kernel does not run (`sweep`): it is a cache, never a kernel's state.
 
 The quota counts each file once however many links it has (imagestore.disk_bytes): a
 chain and the base linked into a dump in progress are on the disk once.
@@ -118,12 +118,12 @@ class KeptBases:
         """The image a kernel was just restored from becomes its base (renamed: no byte
         copied), indexed in the background. False when it cannot be (then it is
         removed, as without keep_base)."""
-        image = self.images.for_uid(uid).path(kid)
-        dest = self.for_uid(uid).path(kid)
-        self.drop(uid, kid)
         try:
+            image = self.images.for_uid(uid).path(kid)
+            dest = self.for_uid(uid).path(kid)
+            self.drop(uid, kid)
             os.rename(image, dest)
-        except OSError as e:
+        except (OSError, AgentError) as e:
             _log.warning("kernel %s: its image is not kept as a base: %s", kid, e)
             with contextlib.suppress(OSError):
                 self.images.for_uid(uid).remove_image(kid)
@@ -158,7 +158,7 @@ class KeptBases:
             return
         try:
             job = asyncio.get_running_loop().run_in_executor(None, shutil.rmtree, doomed, True)
-        except RuntimeError:  # no loop (a test's direct call): now
+        except RuntimeError:  # in a worker thread (after a commit): deleted there, now
             shutil.rmtree(doomed, ignore_errors=True)
             return
         self._deleting.add(job)
