@@ -44,9 +44,10 @@ from .transitions import KernelState, Listener, Progress, SuspendHook, Transitio
 __all__ = ["CedanaProvisioner", "KernelState", "Listener", "Progress"]
 
 
-class CedanaProvisioner(LocalProvisioner):  # type: ignore[misc]
+class CedanaProvisioner(LocalProvisioner):
     """A LocalProvisioner whose kernels can be suspended to disk and resumed."""
 
+    # A Popen, or the kernel at the checkpoint agent (checkpoint_agent.AgentKernel).
     process: Any
     pid: int | None
     suspended_at: float | None = None
