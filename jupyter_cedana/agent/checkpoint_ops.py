@@ -204,8 +204,6 @@ class CheckpointOps:
                 if isinstance(e, CedanaError):
                     raise AgentError("failed", e.message) from e
                 raise
-            index = dumped.delta.index if dumped.delta is not None else None
-            await asyncio.to_thread(self.bases.committed, caller.uid, kid, index, manifest)
             # The image is durable: only now does the kernel's memory go.
             process = record.process
             with contextlib.suppress(ProcessLookupError):
@@ -213,6 +211,8 @@ class CheckpointOps:
             if process is not None:
                 await process.wait()
             self.kernels.mark_dumped(caller.uid, kid)
+            # A delta's index, made once the kernel is no longer frozen, before a restore.
+            await asyncio.to_thread(self.bases.committed, caller.uid, kid, dumped.delta, manifest)
         return {
             "kernel_id": kid,
             "bytes": int(manifest["total_bytes"]),

@@ -243,17 +243,18 @@ class KeptBases:
             shutil.rmtree(tmp / BASE_NAME, ignore_errors=True)
             return None
 
-    def committed(self, uid: int, kid: str, index: PageIndex | None, manifest: Any) -> None:
-        """After a dump's commit: a delta's index is saved in its image (the next base is
-        then indexed already), and the base it was made on goes. Never fails: the image
-        is committed, and the kernel's memory is to go."""
+    def committed(self, uid: int, kid: str, delta: DeltaResult | None, manifest: Any) -> None:
+        """After a dump (in a thread: a delta's index is built here): the index is saved
+        in the image (the next base is then indexed already), and the base the delta was
+        made on goes. Never fails: the image is committed, the kernel gone."""
         try:
-            self._committed(uid, kid, index, manifest)
-        except (OSError, AgentError) as e:
+            self._committed(uid, kid, delta, manifest)
+        except (OSError, AgentError, ImageError) as e:
             _log.warning("kernel %s: after its dump: %s", kid, e)
 
-    def _committed(self, uid: int, kid: str, index: PageIndex | None, manifest: Any) -> None:
-        if index is not None:
+    def _committed(self, uid: int, kid: str, delta: DeltaResult | None, manifest: Any) -> None:
+        if delta is not None:
+            index = delta.index
             images = self.images.root / str(int(uid)) / kid
             index.directory = images
             index.image = manifest_token(manifest)
