@@ -29,7 +29,7 @@ from .transitions import KernelState
 
 
 class Kernel(Protocol):
-    """What the compactor uses of a provisioner (restoring.Restoring), declared here:
+    """What the compactor uses of a provisioner (provisioner.CedanaProvisioner), declared here:
     the provisioner calls the compactor, not the other way round."""
 
     state: Any
