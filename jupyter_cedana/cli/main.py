@@ -101,6 +101,18 @@ def cmd_list(args: argparse.Namespace, client: Client) -> int:
     return EXIT_OK
 
 
+def _agent_origin(started: dict[str, Any] | None) -> str:
+    """Where the agent came from, when a server started it (CheckpointAgent.start_agent)."""
+    if not started:
+        return ""
+    by = (
+        "this server"
+        if started.get("by_this_server")
+        else f"the jupyter server with pid {started.get('started_by')}"
+    )
+    return f" (pid {started.get('pid')}, started by {by}; log: {started.get('log')})"
+
+
 def cmd_status(args: argparse.Namespace, client: Client) -> int:
     st = client.get("status")
     if args.json:
@@ -108,6 +120,7 @@ def cmd_status(args: argparse.Namespace, client: Client) -> int:
         return EXIT_OK
     if st.get("available") and st.get("agent_socket"):
         engine = f"available, through the checkpoint agent at {st.get('agent_socket')}"
+        engine += _agent_origin(st.get("agent_started"))
     elif st.get("available"):
         ns = "kernels in their own PID namespace" if st.get("root") else "no PID namespace"
         engine = f"available (CRIU {st.get('criu_version')}, {ns})"

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..checkpoint.engine import CheckpointEngine
+from .agent_start import started_agent
 from .limits import Budget, TransitionQueue
 
 
@@ -43,6 +44,7 @@ def server_status(
         "criu_version": info.criu_version,
         "root": info.pidns,
         "agent_socket": agent_socket or None,
+        "agent_started": started_agent(agent_socket) if agent_socket else None,
         "checkpoint_root": str(engine.store.root),
         "bytes_used": usage.bytes_used,
         "bytes_free": usage.bytes_free,

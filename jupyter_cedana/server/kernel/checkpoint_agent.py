@@ -12,6 +12,9 @@ outlives its request, so no event loop is left holding a socket or a reading tas
 closes: the server's, or one of the many that jupyter_client's blocking managers and test
 harnesses make and close. An agent restarted meanwhile (it keeps its kernels) is simply
 reached by the next request.
+
+With `start_agent` on, a root server whose socket has no agent answering starts one
+(agent_start.py) as the extension starts, and uses it as a non-root server would.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ import weakref
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
-from traitlets import Float, Unicode
+from traitlets import Bool, Float, Unicode
 from traitlets.config import SingletonConfigurable
 
 from ...agent import protocol
@@ -43,6 +46,7 @@ from ...errors import (
     ResumeFailed,
     SuspendFailed,
 )
+from ..agent_start import DEFAULT_STATE_DIR, AgentStartFailed, ensure_agent
 
 T = TypeVar("T")
 
@@ -65,6 +69,32 @@ class CheckpointAgent(SingletonConfigurable):
         "by the agent, as the server's user with no capabilities, and this server runs no "
         "CRIU itself; the kernels outlive the server. Empty: the server checkpoints its "
         "kernels itself, which needs root.",
+    ).tag(config=True)
+
+    start_agent = Bool(
+        False,
+        help="A server running as root starts a checkpoint agent on `socket` "
+        f"({protocol.DEFAULT_SOCKET} when empty) if none answers there, and then uses it "
+        "for every kernel, as a non-root server does. The agent is the package's own "
+        "(jupyter-cedana-agent), detached from the server: it outlives the server and "
+        "later servers use it; its log is agent.log in `state_dir`. Two servers starting "
+        "together start one agent. A server not running as root never starts one. "
+        "Off by default while GPU kernels are checkpointed only by a server's own CRIU; "
+        "it will become the default for root servers once the agent checkpoints them. A "
+        "systemd unit (docs/agent.md) remains the way to run the agent in production.",
+    ).tag(config=True)
+
+    state_dir = Unicode(
+        DEFAULT_STATE_DIR,
+        help="The state directory (images, kernel records, agent.log) of an agent this "
+        "server starts (start_agent); ignored otherwise. A directory of root's that only "
+        "root writes.",
+    ).tag(config=True)
+
+    start_timeout = Float(
+        30.0,
+        help="Seconds a server waits for the agent it starts (start_agent) to answer, "
+        "lock wait included; then checkpointing is unavailable, with the reason.",
     ).tag(config=True)
 
     probe_ttl = Float(
@@ -96,10 +126,38 @@ class CheckpointAgent(SingletonConfigurable):
         #: The server's engine (serve()): its settings that the agent applies
         #: (keep_base) are read from it.
         self.engine: CheckpointEngine | None = None
+        #: The agent this server found started by a server (maybe itself): started_agent().
+        self.started: dict[str, Any] | None = None
+        #: Why this server could not start its agent (start_agent), for the probe's reason.
+        self.start_error: str | None = None
+        if self.start_agent and not self.socket and os.geteuid() == 0:
+            self.socket = protocol.DEFAULT_SOCKET
 
     @property
     def enabled(self) -> bool:
         return bool(self.socket)
+
+    def ensure_started(self) -> None:
+        """With `start_agent` on, an agent answering on the socket: the one there, or one
+        this server starts now (blocking, up to `start_timeout`). A failure is kept as the
+        reason checkpointing is unavailable; the server runs on."""
+        if not self.start_agent or not self.enabled or os.geteuid() != 0:
+            return  # a server that is not root says so in the probe's reason
+        try:
+            self.started = ensure_agent(self.socket, self.state_dir, self.start_timeout)
+        except AgentStartFailed as e:
+            self.start_error = str(e)
+            self._probed = None
+            self.log.error("jupyter-cedana: could not start a checkpoint agent: %s", e)
+            return
+        self.start_error = None
+        if self.started is not None and self.started["by_this_server"]:
+            self.log.info(
+                "jupyter-cedana: started the checkpoint agent (pid %s) at %s; its log: %s",
+                self.started["pid"],
+                self.socket,
+                self.started["log"],
+            )
 
     # -- reachability ---------------------------------------------------------------------
 
@@ -153,7 +211,12 @@ class CheckpointAgent(SingletonConfigurable):
 
     def _no_answer(self, e: BaseException) -> str:
         what = str(e) or f"no answer within {PROBE_TIMEOUT:g} s"
-        return f"no checkpoint agent answers at {self.socket}: {what}"
+        reason = f"no checkpoint agent answers at {self.socket}: {what}"
+        if self.start_error is not None:
+            reason += f"; this server could not start one: {self.start_error}"
+        elif self.start_agent and os.geteuid() != 0:
+            reason += " (CheckpointAgent.start_agent starts one only in a server running as root)"
+        return reason
 
     def _remember(self, reason: str | None, at: float | None = None) -> EngineInfo:
         info = _info(reason)
@@ -218,9 +281,11 @@ class CheckpointAgent(SingletonConfigurable):
     def serve(self, engine: CheckpointEngine) -> None:
         """A server's extension starts: the engine's word on whether checkpointing is
         available is this agent's probe (the server runs no CRIU of its own to probe),
-        refreshed in the background until `close()`."""
+        refreshed in the background until `close()`. With `start_agent`, the agent is
+        started first if none answers."""
         engine.probe_through = self.probe
         self.engine = engine
+        self.ensure_started()
 
     @property
     def keep_base(self) -> bool:
