@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import os
 import signal
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, cast
 
@@ -31,7 +30,8 @@ from ..checkpoint.integrity import is_page_file
 from ..checkpoint.proctree import process_tree
 from ..checkpoint.store import CheckpointStore
 from ..errors import CedanaError
-from .criu import AgentEngine, CriuSettings, UnsafeSetup
+from .criu import AgentEngine, CriuSettings, UnsafeSetup, load_settings
+from .gpu_ops import AgentGpu, as_agent_error, gpu_summary
 from .imagecheck import ImageRefused, verify_owner
 from .imagestore import DEFAULT_QUOTA, ImageStore, kernel_id_arg, manifest_meta
 from .kept_bases import KeptBases, check_chain, delta_summary
@@ -41,7 +41,6 @@ from .protocol import AgentError
 from .restored import Keeper, check_running_as, stopped_tree
 from .service import Caller, Progress, ProgressFrames, Service, user_groups
 
-CONFIG_NAME = "checkpoint.json"
 #: The engine's progress phases as the agent's frames name them.
 _PHASES = {"dump": "dumping"}
 #: Seconds between progress frames of a restore's checksum pass.
@@ -49,31 +48,11 @@ VERIFY_FRAME_INTERVAL = 0.2
 _log = logging.getLogger("jupyter_cedana.agent")
 
 
-def load_settings(state_dir: Path) -> tuple[CriuSettings, int]:
-    """The administrator's settings: `<state>/checkpoint.json` (root's, like the state
-    directory), keys criu_path, plugin_dir, quota_bytes, dump_timeout; defaults
-    otherwise."""
-    path = state_dir / CONFIG_NAME
-    data: dict[str, Any] = {}
-    if path.exists():
-        st = os.lstat(path)
-        if st.st_uid != 0 or st.st_mode & 0o022 or not path.is_file():
-            raise UnsafeSetup(f"{path} must be a regular file root alone can write")
-        data = json.loads(path.read_text())
-    defaults = CriuSettings(state_dir=str(state_dir))
-    settings = CriuSettings(
-        state_dir=str(state_dir),
-        criu_path=str(data.get("criu_path", defaults.criu_path)),
-        plugin_dir=str(data.get("plugin_dir", defaults.plugin_dir)),
-        dump_timeout=float(data.get("dump_timeout", defaults.dump_timeout)),
-    )
-    return settings, int(data.get("quota_bytes", DEFAULT_QUOTA))
-
-
 class CheckpointOps:
     def __init__(self, service: Service, settings: CriuSettings, quota_bytes: int):
         self.kernels = service.kernels
         self.engine = AgentEngine(settings)
+        self.gpu = AgentGpu(settings)
         self.store = ImageStore(settings.state_dir, quota_bytes)
         self.bases = KeptBases(self.store, self.kernels)
         # (uid, kernel id) -> a lazily restored kernel's memory coming in.
@@ -165,7 +144,11 @@ class CheckpointOps:
                 # The engine's "dump" is the image growing; `total` is the tree's RSS.
                 frames({"phase": _PHASES.get(phase, phase), "done": done, "total": total})
 
+            gpu: dict[str, Any] = {}
             try:
+                # The GPU memory into host memory first: CRIU dumps it with the rest.
+                offloaded = await self.gpu.offload(process_tree(pid), frames)
+                gpu = dict(offloaded) if offloaded else {}  # empty: a CPU-only kernel
                 # A kept base (restore's keep_base) makes the image a delta on it.
                 base = await self.bases.base_for(caller.uid, kid, tmp, pid)
                 dumped = await self.engine.dump(
@@ -187,6 +170,8 @@ class CheckpointOps:
                             # For a record lost later: `list` and a restore take it here.
                             "meta": record.meta,
                             **delta_summary(dumped.delta),
+                            # What a restore needs to put the GPU memory back.
+                            **({"gpu": gpu} if gpu else {}),
                         },
                         dumped.sums,
                         delta=dumped.delta is not None,
@@ -198,11 +183,12 @@ class CheckpointOps:
                 for p in process_tree(pid):  # CRIU leaves the tree stopped
                     with contextlib.suppress(ProcessLookupError):
                         os.kill(p, signal.SIGCONT)
+                left = await self.gpu.put_back(gpu) if gpu else None
                 record.state = State.running
                 if isinstance(e, AgentError):
-                    raise
+                    raise AgentError(e.code, f"{e.message}; {left}" if left else e.message) from e
                 if isinstance(e, CedanaError):
-                    raise AgentError("failed", e.message) from e
+                    raise as_agent_error(e, left) from e
                 raise
             # The image is durable: only now does the kernel's memory go.
             process = record.process
@@ -219,6 +205,12 @@ class CheckpointOps:
             "held_bytes": int(manifest["held_bytes"]),
             "seconds": dumped.seconds,
             **({"delta": manifest["delta"]} if "delta" in manifest else {}),
+            # The server shows what the kernel's GPU gave up, as for a root server.
+            **(
+                {"gpu": gpu_summary(gpu), "gpu_memory_freed": int(gpu.get("bytes_freed") or 0)}
+                if gpu
+                else {}
+            ),
         }
 
     async def op_restore(
@@ -248,7 +240,11 @@ class CheckpointOps:
             images = store.path(kid)
             manifest: dict[str, Any] | None = None
             frames({"phase": "verifying", "done": None, "total": None})
+            gpu: dict[str, Any] = {}
             try:
+                gpu = dict((await asyncio.to_thread(store.read_manifest, kid)).get("gpu") or {})
+                # A GPU kernel is restored whole: its restore thread reads its host memory.
+                lazy = lazy and not gpu
                 # A port rewrite (free_ports) cut short by the agent's death is completed
                 # or undone, so the checksums below hold.
                 await asyncio.to_thread(portremap.finish, store, kid)
@@ -271,6 +267,7 @@ class CheckpointOps:
                     groups,
                     self.engine.init_binary(),
                 )
+                plan = await self.gpu.admit(gpu)  # before CRIU: no GPU room, nothing touched
             except ImageRefused as e:
                 kept = self.store.refuse(caller.uid, kid, str(e))
                 self.kernels.remove(caller.uid, kid)
@@ -280,7 +277,7 @@ class CheckpointOps:
                     f"administrator at {kept}",
                 ) from e
             except CedanaError as e:
-                raise AgentError("failed", e.message) from e
+                raise as_agent_error(e) from e
             record.state = State.restoring
             frames({"phase": "restoring", "done": None, "total": None})
             work = store.work_dir(kid)
@@ -289,7 +286,15 @@ class CheckpointOps:
             try:
                 if manifest is not None:
                     pages = await self._page_server(store, kid, manifest, work, images)
-                pid, keeper = await self._restore(work, images, caller.uid, caller.gid, pages)
+                gpu_step = None
+                if gpu:
+
+                    async def gpu_step(tasks: set[int]) -> dict[str, Any]:
+                        return await self.gpu.restore(gpu, tasks, plan, frames)
+
+                pid, keeper, restored = await self._restore(
+                    work, images, caller.uid, caller.gid, pages, gpu_step
+                )
             except BaseException as e:
                 record.state = State.dumped
                 if isinstance(e, CedanaError):  # a damaged chunk CRIU would read first
@@ -308,7 +313,17 @@ class CheckpointOps:
                 )
                 self._loading[key] = task
                 task.add_done_callback(lambda t: self._loading.pop(key, None))
-        return {"kernel_id": kid, "pid": pid, "lazy": pages is not None, "keep_base": keep}
+        return {
+            "kernel_id": kid,
+            "pid": pid,
+            "lazy": pages is not None,
+            "keep_base": keep,
+            **(
+                {"gpu": restored, "gpu_memory_restored": int(gpu.get("memory_bytes") or 0)}
+                if gpu
+                else {}
+            ),
+        }
 
     def _superseded(self, store: CheckpointStore, uid: int, kid: str, keep: bool) -> None:
         """The restored kernel runs on its own memory: its image goes, or is kept as the
@@ -386,10 +401,12 @@ class CheckpointOps:
         uid: int,
         gid: int,
         pages: lazy_pages.PageServer | None,
-    ) -> tuple[int, subprocess.Popen[bytes]]:
+        gpu_step: Callable[[set[int]], Awaitable[dict[str, Any]]] | None = None,
+    ) -> tuple[int, subprocess.Popen[bytes], dict[str, Any]]:
         pidfile = work / "restored.pid"
         proc = self.engine.start_restore(images, work, pidfile, lazy=pages is not None)
         pid = 0
+        restored: dict[str, Any] = {}
         try:
             pid = await self.engine.wait_restored(proc, work, pidfile)
             tasks = await stopped_tree(pid)
@@ -398,6 +415,8 @@ class CheckpointOps:
                 # the init's as well (it is the user's too).
                 for task in tasks:
                     check_running_as(task, uid, gid)
+            if gpu_step is not None:  # while the tree is stopped, as in-process
+                restored = await gpu_step(tasks)
             for task in tasks:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(task, signal.SIGCONT)
@@ -413,7 +432,7 @@ class CheckpointOps:
             if isinstance(e, CedanaError):
                 raise AgentError("failed", e.message) from e
             raise
-        return pid, proc
+        return pid, proc, restored
 
     async def op_discard(self, caller: Caller, args: dict[str, Any], _: Progress) -> dict[str, Any]:
         kid = kernel_id_arg(args)
@@ -457,7 +476,7 @@ def _chunked(manifest: dict[str, Any]) -> bool:
 
 
 def register(service: Service) -> None:
-    settings, quota = load_settings(service.state_dir)
+    settings, quota = load_settings(service.state_dir, DEFAULT_QUOTA)
     # CRIU inherits the agent's working directory during a restore: root's "/".
     os.chdir("/")
     ops = CheckpointOps(service, settings, quota)

@@ -34,6 +34,7 @@ writes a fresh one at every start (install_kdat_cache).
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import stat
@@ -41,6 +42,7 @@ import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from traitlets import TraitError, validate
@@ -137,6 +139,42 @@ class CriuSettings:
     dump_timeout: float = 600.0
     restore_timeout: float = 600.0
     lazy_restore: bool = True
+    # The GPU (gpu_ops.py): the driver libraries' directory (None: the system's), the
+    # helper the agent runs as root, and CudaCheckpointer's limits.
+    cuda_library: str | None = None
+    cuda_helper: str = str(BIN_DIR / "cedana-cuda")
+    cuda_lock_timeout_ms: int = 10_000
+    cuda_host_headroom_bytes: int = 1 << 30
+
+
+CONFIG_NAME = "checkpoint.json"
+
+
+def load_settings(state_dir: Path, default_quota: int) -> tuple[CriuSettings, int]:
+    """The administrator's settings: `<state>/checkpoint.json` (root's, like the state
+    directory), keys criu_path, plugin_dir, quota_bytes, dump_timeout, cuda_library,
+    cuda_lock_timeout_ms, cuda_host_headroom_bytes; defaults otherwise."""
+    path = state_dir / CONFIG_NAME
+    data: dict[str, Any] = {}
+    if path.exists():
+        st = os.lstat(path)
+        if st.st_uid != 0 or st.st_mode & 0o022 or not path.is_file():
+            raise UnsafeSetup(f"{path} must be a regular file root alone can write")
+        data = json.loads(path.read_text())
+    d = CriuSettings(state_dir=str(state_dir))
+    library = data.get("cuda_library")
+    settings = CriuSettings(
+        state_dir=str(state_dir),
+        criu_path=str(data.get("criu_path", d.criu_path)),
+        plugin_dir=str(data.get("plugin_dir", d.plugin_dir)),
+        dump_timeout=float(data.get("dump_timeout", d.dump_timeout)),
+        cuda_library=str(library) if library else None,
+        cuda_lock_timeout_ms=int(data.get("cuda_lock_timeout_ms", d.cuda_lock_timeout_ms)),
+        cuda_host_headroom_bytes=int(
+            data.get("cuda_host_headroom_bytes", d.cuda_host_headroom_bytes)
+        ),
+    )
+    return settings, int(data.get("quota_bytes", default_quota))
 
 
 class AgentEngine(CheckpointEngine):
@@ -162,7 +200,7 @@ class AgentEngine(CheckpointEngine):
             # The kernel is the agent's child and must outlive its server; the agent
             # decides when it ends.
             kernels_die_with_server=False,
-            # GPU checkpointing is not the agent's yet: kernels are treated as CPU-only.
+            # The agent's own GPU steps (gpu_ops.py) wrap the dump and the restore.
             gpu=False,
             dump_timeout=settings.dump_timeout,
             restore_timeout=settings.restore_timeout,

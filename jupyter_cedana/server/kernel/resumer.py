@@ -206,14 +206,25 @@ class Resumer:
         k.machine.set_progress("restore", None, k.checkpoint_bytes or None)
         t0 = time.monotonic()
         k.port_hold.release()
+
+        def progress(update: dict[str, Any]) -> None:
+            # The agent's phases, its GPU restore's ("gpu-restore") among them.
+            done, total = update.get("done"), update.get("total")
+            k.machine.set_progress(
+                str(update.get("phase") or "restore"),
+                done if isinstance(done, int) else None,
+                total if isinstance(total, int) else None,
+            )
+
         try:
-            pid = await k.remote.restore(lazy=k.engine.lazy_restore)
+            pid = await k.remote.restore(lazy=k.engine.lazy_restore, progress=progress)
         except BaseException as e:
             k.port_hold.reserve(k.connection_info)
             self._fail_resume(kid, previous, e)
             raise self._as_resume_error(kid, e) from e
         k.process = k.remote
         k.pid = pid
+        k.gpu_memory.state = None  # back in the GPU (the agent restored it before it ran)
         k.last_resume_seconds = time.monotonic() - t0
         k.tier = None
         k.image_taken_at = k.suspended_at or k.image_taken_at

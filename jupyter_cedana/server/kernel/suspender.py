@@ -158,13 +158,8 @@ class Suspender:
         k = self.kernel
         assert k.remote is not None
         t0 = time.monotonic()
-        monitor = k.engine.gpu_monitor()
-        if monitor is not None and monitor.available and monitor.usage(process_tree(k.pid or 0)):
-            # The image would lack the GPU's memory: the agent has no CUDA checkpointing.
-            raise NotCheckpointable(
-                "The kernel holds GPU memory, and GPU checkpoints through the checkpoint "
-                "agent are not supported yet"
-            )
+        # The agent checkpoints the kernel's GPU memory itself before CRIU runs (its
+        # gpu_ops.py), or refuses; its frames name the same GPU phases as here.
 
         def progress(update: dict[str, Any]) -> None:
             done, total = update.get("done"), update.get("total")
@@ -182,6 +177,10 @@ class Suspender:
         k.suspended_at = time.time()
         k.last_suspend_seconds = time.monotonic() - t0
         k.checkpoint_bytes = int(dumped.get("bytes") or 0)
+        # What the agent's offload freed, as a root server reports it; the GPU state
+        # itself stays in the agent's manifest, which its restore reads.
+        k.gpu_memory.state = dict(dumped["gpu"]) if dumped.get("gpu") else None
+        k.gpu_memory_freed = int(dumped.get("gpu_memory_freed") or 0)
         k.port_hold.reserve(k.connection_info)
         k.machine.set_state(KernelState.suspended)
         k.log.info(
