@@ -27,8 +27,8 @@ import pytest
 
 from jupyter_cedana.agent.client import AgentClient
 from jupyter_cedana.checkpoint.engine import CheckpointEngine
+from jupyter_cedana.server.kernel.agent_kernel import PROBE_TIMEOUT
 from jupyter_cedana.server.kernel.checkpoint_agent import (
-    PROBE_TIMEOUT,
     CheckpointAgent,
     agent_for,
 )

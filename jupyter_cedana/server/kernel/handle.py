@@ -8,7 +8,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
 from ...checkpoint.engine import CheckpointEngine
-from .checkpoint_agent import AgentKernel
+from .agent_kernel import AgentKernel
 from .gpu_steps import GpuMemory
 from .ports import PortHold
 from .record import RecordHolder

@@ -15,7 +15,8 @@ from jupyter_client.launcher import launch_kernel
 
 from ...checkpoint.engine import CheckpointEngine
 from ...checkpoint.launch import check_executable, ipykernel_options, is_ipykernel
-from .checkpoint_agent import AgentKernel, CheckpointAgent
+from .agent_kernel import AgentKernel
+from .checkpoint_agent import CheckpointAgent
 
 
 def text_key(connection_info: Any) -> dict[str, Any]:

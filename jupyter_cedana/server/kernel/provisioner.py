@@ -30,7 +30,8 @@ from ...checkpoint.launch import output_tail
 from ...checkpoint.proctree import process_tree
 from ...errors import Conflict, EngineUnavailable
 from ..adoption import claim_adoption
-from .checkpoint_agent import AgentKernel, CheckpointAgent, agent_for
+from .agent_kernel import AgentKernel
+from .checkpoint_agent import CheckpointAgent, agent_for
 from .gpu_steps import GpuMemory
 from .kernel_tree import kill_tree
 from .launching import launch_at_agent, launch_under_init, text_key
