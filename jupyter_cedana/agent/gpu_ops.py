@@ -27,7 +27,7 @@ from ..checkpoint.proctree import open_device_files
 from ..errors import CedanaError, NotCheckpointable
 from ..gpu.cuda import CudaCheckpointer, CudaStateLeft, OffloadResult
 from ..gpu.monitor import GpuMonitor
-from .criu import CriuSettings, check_root_only
+from .criu import CriuSettings, UnsafeSetup, check_root_only
 from .protocol import AgentError
 
 LIBCUDA = "libcuda.so.1"
@@ -136,7 +136,7 @@ def gpu_summary(state: Mapping[str, Any]) -> dict[str, Any]:
 def as_agent_error(e: CedanaError, left: str | None = None) -> AgentError:
     """A GPU step's failure as the agent's answer; `left`: what putting back could not do."""
     message = e.message if left is None else f"{e.message}; {left}"
-    if isinstance(e, NotCheckpointable):
+    if isinstance(e, NotCheckpointable | UnsafeSetup):
         return AgentError("refused", message)
     return AgentError("failed", message)
 

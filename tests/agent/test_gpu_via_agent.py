@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import pwd
+import shutil
 import subprocess
 import threading
 from collections import deque
@@ -122,6 +125,11 @@ def gpu_agent(
     assert stream is not None
     threading.Thread(target=lambda: deque(stream, maxlen=0), daemon=True).start()
     return agent
+
+
+def fake_driver_log(fake: FakeGpu) -> list[str]:
+    """Every call the fake libcuda logged, its loading (cuInit) included."""
+    return fake.log_path.read_text().splitlines() if fake.log_path.exists() else []
 
 
 def gpu_kernel(agent: Agent, kernels: list[Kernel], fake: FakeGpu) -> tuple[Kernel, int]:
@@ -352,3 +360,51 @@ def test_a_users_server_suspends_and_resumes_a_gpu_kernel_through_the_agent(
     assert fake_gpu.timeline() == ["lock", "checkpoint", "restore", "unlock"]
     assert agent_images(agent, USER) == []
     assert server.criu_runs() == [], server.log_errors()
+
+
+def test_driver_libraries_are_roots_choice_not_the_callers(
+    fake_gpu: FakeGpu,
+    configured_agent: Callable[..., Agent],
+    loose_kernels: list[Kernel],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Without `cuda_library` the agent loads the system's driver (none here): a caller
+    naming the fakes in its kernel's environment does not make the agent load them."""
+    monkeypatch.delenv("LD_LIBRARY_PATH", raising=False)
+    agent = configured_agent({"cuda_host_headroom_bytes": 0})
+    env = {"CEDANA_LIBCUDA": str(BUILD / "libcuda.so.1"), "LD_LIBRARY_PATH": str(BUILD)}
+    kernel, _ = launch(agent, loose_kernels, USER, env=env)
+    kernel.run("x = 1")
+    reply = agent.run_as(USER, "dump", {"kernel_id": kernel.id})
+    assert reply["ok"], reply
+    assert "gpu" not in reply["result"]
+    assert fake_driver_log(fake_gpu) == []  # the fake libcuda was never even loaded
+
+
+def test_a_driver_directory_others_can_change_is_refused(
+    fake_gpu: FakeGpu,
+    configured_agent: Callable[..., Agent],
+    loose_kernels: list[Kernel],
+    monkeypatch: pytest.MonkeyPatch,
+    agent_base: Path,
+) -> None:
+    """The agent loads the driver libraries as root: a directory a user could change is
+    refused (the dump too), and the kernel runs on untouched."""
+    monkeypatch.delenv("LD_LIBRARY_PATH", raising=False)
+    theirs = agent_base / "users-driver"
+    theirs.mkdir()
+    for name in ("libcuda.so.1", "libnvidia-ml.so.1"):
+        shutil.copy2(BUILD / name, theirs / name)
+    entry = pwd.getpwnam(USER)
+    os.chown(theirs, entry.pw_uid, entry.pw_gid)
+    agent = configured_agent({"cuda_library": str(theirs), "cuda_host_headroom_bytes": 0})
+    kernel, pid = gpu_kernel(agent, loose_kernels, fake_gpu)
+    kernel.run("x = 41")
+    reply = agent.run_as(USER, "dump", {"kernel_id": kernel.id})
+    assert reply["error"]["code"] == "refused", reply
+    assert "CUDA driver library directory" in reply["error"]["message"], reply
+    assert fake_driver_log(fake_gpu) == []
+    assert fake_gpu.proc_by_id(GPU_ID).get("state", "running") == "running"  # untouched
+    assert images(agent) == []
+    assert Path(f"/proc/{pid}").exists()
+    assert kernel.run("print(x + 1)").strip() == "42"
