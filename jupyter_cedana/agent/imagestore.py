@@ -20,7 +20,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..checkpoint.store import BASE_NAME, MANIFEST, CheckpointStore, validate_kernel_id
+from ..checkpoint.chain_reader import chain_layers
+from ..checkpoint.store import BASE_NAME, CheckpointStore, validate_kernel_id
 from ..errors import CedanaError
 from .protocol import AgentError
 from .records import MAX_META, meta_size
@@ -63,23 +64,9 @@ def disk_bytes(*paths: Path, skip: frozenset[Path] = frozenset()) -> int:
 def chain_summary(images: Path) -> dict[str, int] | None:
     """`bytes` (the newest image's own), `held_bytes` (with all its bases) and `layers`
     of the image in `images`; None when it has no readable manifest."""
-    layers: list[int] = []
-    where = images
-    while True:
-        try:
-            manifest = json.loads((where / MANIFEST).read_text())
-        except (OSError, ValueError):
-            if not layers:
-                return None
-            break
-        if not isinstance(manifest, dict):
-            if not layers:
-                return None
-            break
-        layers.append(int(manifest.get("total_bytes") or 0))
-        if not manifest.get("base"):
-            break
-        where = where / BASE_NAME
+    layers = chain_layers(images)
+    if layers is None:
+        return None
     return {"bytes": layers[0], "held_bytes": sum(layers), "layers": len(layers)}
 
 

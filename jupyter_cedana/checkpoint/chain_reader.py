@@ -6,6 +6,7 @@ is read (every other file against its CRC). compaction.py folds a chain with it.
 from __future__ import annotations
 
 import bisect
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +25,7 @@ from .crimg import (
     int_field,
     read_pagemap_entry,
 )
-from .store import CheckpointStore
+from .store import BASE_NAME, MANIFEST, CheckpointStore
 
 __all__ = ["ChainReader", "PageSource"]
 
@@ -187,3 +188,22 @@ class ChainReader:
             read += source.read_bytes
             source.close()
         return read
+
+
+def chain_layers(images: Path) -> list[int] | None:
+    """The `total_bytes` of each image of the chain in `images`, newest first (one for a
+    whole image); None when the newest has no readable manifest. A damaged base ends the
+    list there: what can be read (a resume says the rest)."""
+    layers: list[int] = []
+    where = images
+    while True:
+        try:
+            manifest = json.loads((where / MANIFEST).read_text())
+        except (OSError, ValueError):
+            manifest = None
+        if not isinstance(manifest, dict):
+            return layers or None
+        layers.append(int(manifest.get("total_bytes") or 0))
+        if not manifest.get("base"):
+            return layers
+        where = where / BASE_NAME

@@ -4,11 +4,11 @@ checkpoint holds on disk, as the REST API and the sidebar show it."""
 
 from __future__ import annotations
 
-import json
 import os
 from typing import TYPE_CHECKING, Any, Protocol
 
-from ...checkpoint.store import BASE_NAME, MANIFEST, CheckpointStore
+from ...checkpoint.chain_reader import chain_layers
+from ...checkpoint.store import MANIFEST, CheckpointStore
 from .transitions import KernelState
 
 if TYPE_CHECKING:
@@ -100,21 +100,7 @@ def checkpoint_disk(store: CheckpointStore, kernel_id: str, prov: Any) -> dict[s
 
 
 def _chain(images: Any) -> dict[str, Any] | None:
-    layers: list[int] = []
-    where = images
-    while True:
-        try:
-            manifest = json.loads((where / MANIFEST).read_text())
-        except (OSError, ValueError):
-            if not layers:
-                return None
-            break  # a damaged chain: what can be read (a resume will say the rest)
-        layers.append(int(manifest.get("total_bytes") or 0) if isinstance(manifest, dict) else 0)
-        if not isinstance(manifest, dict) or not manifest.get("base"):
-            break
-        where = where / BASE_NAME
-    return {
-        "image_bytes": layers[0],
-        "base_bytes": sum(layers[1:]),
-        "layers": len(layers),
-    }
+    layers = chain_layers(images)
+    if layers is None:
+        return None
+    return {"image_bytes": layers[0], "base_bytes": sum(layers[1:]), "layers": len(layers)}
