@@ -190,9 +190,10 @@ class Cell:
         return Reply(reply["status"], stdout, reply.get("ename"), traceback)
 
 
-def start_user_server(base: Path, user: str, agent_socket: Path) -> UserServer:
+def start_user_server(base: Path, user: str, agent_socket: Path, *options: str) -> UserServer:
     """`user`'s server on the agent at `agent_socket`, on base/server-<user> (the same
-    directories each time: a server started again finds the last one's kernels)."""
+    directories each time: a server started again finds the last one's kernels), with
+    more command-line `options`."""
     entry = pwd.getpwnam(user)
     home = base / f"server-{user}"
     home.mkdir(mode=0o700, exist_ok=True)
@@ -211,6 +212,7 @@ def start_user_server(base: Path, user: str, agent_socket: Path) -> UserServer:
         # The tests decide when kernels are suspended.
         "--SuspendPolicy.idle_timeout=0",
         f"--CheckpointAgent.socket={agent_socket}",
+        *options,
         log=base / f"server-{user}.log",
         path_first=[tripwire],
         criu_marker=marker,

@@ -7,14 +7,10 @@ first on its PATH records any run), real ipykernel, cells through the kernel web
 
 from __future__ import annotations
 
-import os
-import pwd
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-
-from tests.userserver import start_as_user
 
 from .conftest import Agent, ended_after
 from .servers_on_agent import (
@@ -22,6 +18,7 @@ from .servers_on_agent import (
     UserServer,
     agent_images,
     eventually,
+    start_user_server,
     stop_user_server,
 )
 
@@ -32,26 +29,7 @@ ARRAY_MB = 96
 
 
 def start_keep_base_server(base: Path, agent_socket: Path) -> UserServer:
-    entry = pwd.getpwnam(USER)
-    home = base / f"server-{USER}"
-    home.mkdir(mode=0o700, exist_ok=True)
-    os.chown(home, entry.pw_uid, entry.pw_gid)
-    tripwire = home / "tripwire"
-    tripwire.mkdir(mode=0o755, exist_ok=True)
-    marker = home / "criu-ran"
-    (tripwire / "criu").write_text(f'#!/bin/sh\necho "criu $*" >> {marker}\nexit 1\n')
-    (tripwire / "criu").chmod(0o755)
-    return start_as_user(
-        UserServer,
-        home,
-        USER,
-        "--SuspendPolicy.idle_timeout=0",
-        f"--CheckpointAgent.socket={agent_socket}",
-        "--CheckpointEngine.keep_base=True",
-        log=base / f"server-{USER}.log",
-        path_first=[tripwire],
-        criu_marker=marker,
-    )
+    return start_user_server(base, USER, agent_socket, "--CheckpointEngine.keep_base=True")
 
 
 @pytest.fixture
