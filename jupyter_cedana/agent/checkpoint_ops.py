@@ -184,6 +184,8 @@ class CheckpointOps:
                     with contextlib.suppress(ProcessLookupError):
                         os.kill(p, signal.SIGCONT)
                 left = await self.gpu.put_back(gpu) if gpu else None
+                if left:  # it runs, but its CUDA calls block until its memory is back
+                    record.note = f"its GPU memory was not put back after a failed dump: {left}"
                 record.state = State.running
                 if isinstance(e, AgentError):
                     raise AgentError(e.code, f"{e.message}; {left}" if left else e.message) from e

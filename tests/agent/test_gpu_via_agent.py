@@ -408,3 +408,56 @@ def test_a_driver_directory_others_can_change_is_refused(
     assert images(agent) == []
     assert Path(f"/proc/{pid}").exists()
     assert kernel.run("print(x + 1)").strip() == "42"
+
+
+def quota_agent(configured_agent: Callable[..., Agent]) -> Agent:
+    """The GPU agent with a quota no image fits: the dump fails after CRIU ran."""
+    return configured_agent(
+        {"cuda_library": str(BUILD), "cuda_host_headroom_bytes": 0, "quota_bytes": 1}
+    )
+
+
+def test_a_failed_criu_dump_puts_the_gpu_memory_back(
+    fake_gpu: FakeGpu,
+    configured_agent: Callable[..., Agent],
+    loose_kernels: list[Kernel],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("LD_LIBRARY_PATH", raising=False)
+    agent = quota_agent(configured_agent)
+    kernel, pid = gpu_kernel(agent, loose_kernels, fake_gpu)
+    kernel.run("x = 41")
+    reply = agent.run_as(USER, "dump", {"kernel_id": kernel.id})
+    assert reply["error"]["code"] == "refused" and "quota" in reply["error"]["message"], reply
+    # Checkpointed for CRIU, then restored and unlocked into the continued kernel.
+    assert fake_gpu.timeline() == ["lock", "checkpoint", "restore", "unlock"]
+    assert fake_gpu.proc_by_id(GPU_ID)["state"] == "running"
+    assert int(fake_gpu.proc_by_id(GPU_ID)["pid"]) == pid
+    assert gpu_free() == TOTAL - KERNEL_GPU_MEM
+    assert images(agent) == []
+    assert kernel.run("print(x + 1)").strip() == "42"
+    assert "note" not in agent.run_as(USER, "poll", {"kernel_id": kernel.id})["result"]
+
+
+def test_gpu_memory_not_put_back_is_said(
+    fake_gpu: FakeGpu,
+    configured_agent: Callable[..., Agent],
+    loose_kernels: list[Kernel],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The dump failed and so did the restore that puts the GPU memory back: the kernel
+    runs, its GPU memory safe in host memory, and the reply and `poll` say so."""
+    monkeypatch.delenv("LD_LIBRARY_PATH", raising=False)
+    agent = quota_agent(configured_agent)
+    kernel, pid = gpu_kernel(agent, loose_kernels, fake_gpu)
+    fake_gpu.add("error", op="restore", pid=0, code=CUDA_ERROR_UNKNOWN, times=1)
+    reply = agent.run_as(USER, "dump", {"kernel_id": kernel.id})
+    assert "quota" in reply["error"]["message"], reply
+    assert "stays in host memory" in reply["error"]["message"], reply
+    assert fake_gpu.timeline() == ["lock", "checkpoint", "restore!"]
+    assert fake_gpu.proc_by_id(GPU_ID)["state"] == "checkpointed"
+    assert gpu_free() == TOTAL
+    status = agent.run_as(USER, "poll", {"kernel_id": kernel.id})["result"]
+    assert status["state"] == "running", status
+    assert "GPU memory was not put back" in status["note"], status
+    assert Path(f"/proc/{pid}").exists()
