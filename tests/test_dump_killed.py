@@ -271,3 +271,18 @@ def test_a_killed_criu_is_said_to_stop_where_its_log_ends(tmp_path: Path) -> Non
         "data: Broken pipe\n(00.06) Error (criu/cr-dump.c:2100): Dumping FAILED.\n"
     )
     assert criu_reasons(log) == criu_errors(log) == "page-xfer: Unable to spice data: Broken pipe"
+
+
+def test_a_killed_criu_is_found_behind_many_parasite_lines(tmp_path: Path) -> None:
+    """The parasite may log far more than the end first read after CRIU is gone: CRIU's
+    own last line is still what is said, never a line cut in half."""
+    log = tmp_path / "dump.log"
+    cure = "".join(f"(00.{i:04d}) pie: 2: curing step {i} with some detail\n" for i in range(3000))
+    log.write_text(
+        "(00.0100) Dumping pages of 4242\n"
+        "(00.0200) page-xfer: p 0x55b8a15b6000 - 0x55b8a16b6000\n" + cure
+    )
+    assert log.stat().st_size > 64 * 1024
+    assert criu_last_step(log) == "page-xfer: p 0x55b8a15b6000 - 0x55b8a16b6000"
+    log.write_text(cure)
+    assert criu_last_step(log) == "an empty CRIU log"

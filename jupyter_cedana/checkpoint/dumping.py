@@ -46,6 +46,10 @@ class DumpResult:
     delta: DeltaResult | None = None  # an incremental image: what it holds, and its index
 
 
+_LOG_WINDOW = 4096  # the end of a CRIU log read first
+_LOG_WINDOW_MAX = 1 << 20  # then further back, while the parasite's lines fill it
+
+
 def tree_rss(pid: int) -> int:
     """Resident bytes of a process and its descendants: what a dump will roughly write."""
     from .proctree import process_tree
@@ -115,22 +119,38 @@ def _reasons(errors: list[str]) -> list[str]:
 
 
 def criu_last_step(log: Path) -> str:
-    """What a CRIU log says CRIU was doing last: its last line, without the timestamp."""
+    """What a CRIU log says CRIU was doing last: its last line, without the timestamp.
+
+    The parasite logs there too, and goes on after CRIU is gone (it cures itself): its
+    lines are skipped, however many of them end the log."""
     try:
         with open(log, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - 4096))
-            lines = f.read().decode(errors="replace").splitlines()
+            end = f.seek(0, os.SEEK_END)
+            window = _LOG_WINDOW
+            while True:
+                start = max(0, end - window)
+                f.seek(start)
+                lines = f.read(end - start).decode(errors="replace").splitlines()
+                if start > 0 and lines:
+                    lines = lines[1:]  # begins mid-line
+                step = _last_criu_line(lines)
+                if step is not None:
+                    return step
+                if start == 0 or window >= _LOG_WINDOW_MAX:
+                    return "an empty CRIU log"
+                window *= 4
     except OSError:
         return "no CRIU log"
+
+
+def _last_criu_line(lines: list[str]) -> str | None:
     for line in reversed(lines):
         if line.startswith("(") and ")" in line:
             line = line[line.index(")") + 1 :]
         line = " ".join(line.split())
-        # The parasite logs there too, and goes on after CRIU is gone (it cures itself).
         if line and not line.startswith("pie: "):
             return line
-    return "an empty CRIU log"
+    return None
 
 
 def _exit_status(returncode: int) -> str:
