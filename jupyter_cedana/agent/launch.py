@@ -71,6 +71,7 @@ SIGNALS = frozenset(
         signal.SIGKILL,
     }
 )
+FEATURES = ("gpu",)
 MAX_ARGV = 256
 MAX_LOG_REPLY = 256 * 1024
 MAX_WAIT = 3600.0
@@ -144,6 +145,10 @@ class Launcher:
             "gid": caller.gid,
             "groups": list(caller.groups),
             "ops": self.service.ops,
+            # What this agent can do beyond its ops: "gpu", the kernels' GPU memory
+            # checkpointed with their dumps (gpu_ops.py). An agent without it dumps a
+            # GPU kernel's process alone, so a server must not ask it to.
+            "features": list(FEATURES),
         }
 
     async def op_launch(self, caller: Caller, args: dict[str, Any], _: Progress) -> dict[str, Any]:

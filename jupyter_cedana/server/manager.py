@@ -229,6 +229,7 @@ class SuspendManager(LoggingConfigurable):
             self.budget,
             self.queue,
             agent.socket if agent is not None else None,
+            agent.features if agent is not None else frozenset(),
         )
 
     # -- actions --------------------------------------------------------------------------

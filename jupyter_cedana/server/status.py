@@ -16,8 +16,10 @@ def server_status(
     budget: Budget,
     queue: TransitionQueue,
     agent_socket: str | None = None,
+    agent_features: frozenset[str] = frozenset(),
 ) -> dict[str, Any]:
-    """`agent_socket`: the checkpoint agent's, when this server uses one."""
+    """`agent_socket`: the checkpoint agent's, when this server uses one, and
+    `agent_features` what it said it can do."""
     info = engine.probe()
     usage = engine.store.usage()
     gpu: dict[str, Any] = {
@@ -34,8 +36,15 @@ def server_status(
         gpu["devices"] = gpu_monitor.devices() if gpu_monitor.available else []
     gpu["checkpoint"], cuda_reason = engine.cuda_status()
     if agent_socket:
-        gpu["checkpoint"] = False
-        cuda_reason = "GPU checkpoints through the checkpoint agent are not supported yet"
+        # The agent's driver, not this server's, checkpoints GPU memory: whether it can is
+        # known at each dump (a GPU kernel it cannot checkpoint is refused, never dumped
+        # without its GPU memory).
+        gpu["checkpoint"] = "gpu" in agent_features
+        cuda_reason = (
+            None
+            if gpu["checkpoint"]
+            else "this checkpoint agent does not checkpoint GPU memory (an older version)"
+        )
     if gpu["available"] and not gpu["checkpoint"]:
         gpu["reason"] = f"GPU memory cannot be checkpointed: {cuda_reason}"
     return {

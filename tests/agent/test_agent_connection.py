@@ -206,6 +206,29 @@ def test_a_loop_with_no_answer_yet_is_not_kept_waiting(agent: Agent) -> None:
     asyncio.run(main())
 
 
+def test_the_agents_features_decide_whether_gpu_memory_is_said_checkpointed(
+    agent: Agent, tmp_path: Any
+) -> None:
+    """The agent says in `hello` that it checkpoints GPU memory with its dumps; a server
+    on it says so in its status, and on an agent that did not say it (an older one), that
+    GPU memory is not checkpointed, and why."""
+    from jupyter_cedana.server.limits import Budget, SuspendLimits, TransitionQueue
+    from jupyter_cedana.server.status import server_status
+
+    ca = CheckpointAgent(socket=str(agent.socket_path))
+    assert ca.features == frozenset()
+    assert ca.probe().available
+    assert "gpu" in ca.features
+
+    engine = CheckpointEngine(checkpoint_root=str(tmp_path / "root"))
+    engine.probe_through = ca.probe
+    budget = Budget(lambda: engine.store, lambda: 0, lambda: 0, lambda: ())
+    args = (engine, None, budget, TransitionQueue(SuspendLimits()), ca.socket)
+    assert server_status(*args, ca.features)["gpu"]["checkpoint"] is True
+    older = server_status(*args, frozenset())["gpu"]
+    assert older["checkpoint"] is False
+
+
 def test_wait_honours_its_timeout_as_popen_does(agent: Agent) -> None:
     ca = CheckpointAgent(socket=str(agent.socket_path))
     remote = ca.kernel(str(uuid.uuid4()))

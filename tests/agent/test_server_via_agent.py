@@ -120,11 +120,12 @@ def test_kernel_runs_under_the_agent_as_the_user_without_capabilities(
     # The server holds nothing privileged: no supplementary group, no capability.
     assert status_line(server.proc.pid, "Groups").split() == [], server.proc.pid
     assert int(status_line(server.proc.pid, "CapEff"), 16) == 0
-    # It says where its kernels are checkpointed, and that GPU memory is not (yet).
+    # It says where its kernels are checkpointed, and that the agent checkpoints GPU
+    # memory (its hello says so).
     status, st = server.api("GET", "api/cedana/status")
     assert status == 200 and st["available"], st
     assert st["agent_socket"] == str(live_agent.socket_path), st
-    assert st["gpu"]["checkpoint"] is False and st["warnings"] == [], st
+    assert st["gpu"]["checkpoint"] is True and st["warnings"] == [], st
     kid = server.start_kernel()
     inside = json.loads(server.output(kid, PROBE))
     assert_confined(inside, uid, "the kernel's own /proc/self/status")

@@ -96,6 +96,9 @@ class CheckpointAgent(SingletonConfigurable):
 
     def __init__(self, **kwargs: Any):
         super().__init__(**kwargs)
+        #: What the agent said it can do beyond its ops (its `hello`'s `features`):
+        #: "gpu" when it checkpoints the kernels' GPU memory with their dumps.
+        self.features: frozenset[str] = frozenset()
         # Loop-bound, so one per event loop; none inherited across a fork.
         self._slots: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Semaphore] = (
             weakref.WeakKeyDictionary()
@@ -164,7 +167,7 @@ class CheckpointAgent(SingletonConfigurable):
                 hello = ask(self.socket, "hello", {}, PROBE_TIMEOUT)
             except (OSError, AgentError) as e:
                 return self._remember(self._no_answer(e))
-            return self._remember(_ops_reason(hello))
+            return self._remember(self._heard(hello))
         if loop not in self._stopped and loop not in self._refreshing:
             task = self._refreshing[loop] = loop.create_task(self.refresh())
             task.add_done_callback(self._refreshed)
@@ -191,7 +194,16 @@ class CheckpointAgent(SingletonConfigurable):
             return self._probed[1]
         except (TimeoutError, AgentError) as e:
             return self._remember(self._no_answer(e))
-        return self._remember(_ops_reason(hello))
+        return self._remember(self._heard(hello))
+
+    def _heard(self, hello: dict[str, Any]) -> str | None:
+        features = hello.get("features")
+        self.features = (
+            frozenset(f for f in features if isinstance(f, str))
+            if isinstance(features, list)
+            else frozenset()
+        )
+        return _ops_reason(hello)
 
     def _no_answer(self, e: BaseException) -> str:
         what = str(e) or f"no answer within {PROBE_TIMEOUT:g} s"
