@@ -13,6 +13,10 @@ Which driver libraries are loaded is root's choice alone (`cuda_library` in the 
 checkpoint.json: a directory holding libcuda.so.1 and libnvidia-ml.so.1; default the
 system's), never a caller's: no request and no kernel environment reaches it, and the
 helper and that directory must be root's (criu.check_root_only), as they run as root.
+
+Offload tier (offload_ops.py): the GPU memory of a running kernel checkpointed into its
+host memory, the process kept (`keep`), then put back (`reload`). While it is, a dump
+takes that state as its own (no second lock) and a failed dump leaves it offloaded.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from typing import Any
 
 from ..checkpoint.proctree import open_device_files
 from ..errors import CedanaError, NotCheckpointable
-from ..gpu.cuda import CudaCheckpointer, CudaStateLeft, OffloadResult
+from ..gpu.cuda import CudaCheckpointer, CudaStateLeft
 from ..gpu.monitor import GpuMonitor
 from .criu import CriuSettings, UnsafeSetup, check_root_only
 from .protocol import AgentError
@@ -50,6 +54,8 @@ class AgentGpu:
             log=_log,
         )
         self._nvml_loaded = False
+        # CUDA pid -> the offload tier's state of its kernel, until reloaded or forgotten.
+        self._kept: dict[int, dict[str, Any]] = {}
 
     def check_setup(self) -> None:
         """Refuse (UnsafeSetup) a helper or driver library someone but root could change:
@@ -73,13 +79,17 @@ class AgentGpu:
         if path and os.path.exists(path):
             ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
 
-    async def offload(self, pids: Iterable[int], frames: Frames) -> OffloadResult:
+    async def offload(self, pids: Iterable[int], frames: Frames) -> Mapping[str, Any]:
         """Checkpoint the GPU memory of the tree's CUDA processes (an empty result for a
         CPU-only kernel). On failure the tree runs on with its GPU memory, or the error
-        says what is left (CudaStateLeft)."""
+        says what is left (CudaStateLeft). A tree offloaded already (the offload tier)
+        gives the state it holds: its processes are checkpointed, not to be locked again."""
+        pids = set(pids)
+        held = self.kept_for(pids)
+        if held is not None:
+            return held
         self.check_setup()
         self._load_nvml()
-        pids = set(pids)
         result = await self.cuda.offload(pids, progress=_progress(frames))
         if not result and not self.cuda.available:
             # Without NVML nor a driver the usage cannot be seen; a process holding a GPU
@@ -94,7 +104,9 @@ class AgentGpu:
 
     async def put_back(self, state: Mapping[str, Any]) -> str | None:
         """After a failed dump, into the continued tree: None, or why the GPU memory could
-        not be put back."""
+        not be put back. A kernel offloaded before the dump stays so."""
+        if self.kept_for(int(p) for p in state.get("pids") or []) is not None:
+            return None
         try:
             await self.cuda.put_back(state)
         except CudaStateLeft as e:
@@ -122,6 +134,37 @@ class AgentGpu:
         return await self.cuda.restore(
             state, list(tasks), admission=plan, progress=_progress(frames), frozen=True
         )
+
+    def kept_for(self, pids: Iterable[int]) -> dict[str, Any] | None:
+        """The offload tier's state of the tree of `pids`, if it is offloaded."""
+        return next((self._kept[p] for p in pids if p in self._kept), None)
+
+    async def keep(self, pids: Iterable[int], frames: Frames) -> dict[str, Any]:
+        """The offload tier: the GPU memory into host memory, the process kept; an empty
+        result for a tree with none (nothing kept)."""
+        result = await self.offload(pids, frames)
+        if not result:  # an empty OffloadResult is falsy, its dict is not
+            return {}
+        state = dict(result)
+        for pid in state.get("pids") or []:
+            self._kept[int(pid)] = state
+        return state
+
+    async def reload(self, state: Mapping[str, Any], frames: Frames) -> dict[str, Any]:
+        """Put an offloaded tree's GPU memory back, free GPU memory checked first
+        (InsufficientGpuMemory: nothing touched). On failure it stays offloaded
+        (CudaStateLeft with nothing kept: the driver lost it)."""
+        self.check_setup()
+        self._load_nvml()
+        restored = await self.cuda.restore(state, None, admission=True, progress=_progress(frames))
+        self.forget(state)
+        return restored
+
+    def forget(self, state: Mapping[str, Any]) -> None:
+        """The tree no longer holds that state: reloaded, dumped, or exited."""
+        for pid in state.get("pids") or []:
+            if self._kept.get(int(pid)) is state:
+                del self._kept[int(pid)]
 
     async def close(self) -> None:
         await self.cuda.stop()

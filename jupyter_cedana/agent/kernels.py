@@ -162,6 +162,9 @@ class KernelRecord:
     #: Bytes its images hold on disk (a dumped kernel's chain, a running one's kept base;
     #: kept_bases.py), for `list`; None: none. Not written to the record: read from disk.
     held_bytes: int | None = None
+    #: The offload tier (offload_ops.py): its GPU memory's checkpointed state while it
+    #: is in the kernel's host memory, the process kept (its state stays `running`).
+    offloaded: dict[str, Any] | None = None
     _tasks: set[asyncio.Task[Any]] = field(default_factory=set)
     #: Called after every state change: the table writes the record to disk.
     _sink: Callable[[KernelRecord], None] | None = None
@@ -237,7 +240,16 @@ class KernelRecord:
             out["note"] = self.note
         if self.held_bytes is not None:
             out["held_bytes"] = self.held_bytes
+        out.update(self._offload_fields())
         return out
+
+    def _offload_fields(self) -> dict[str, Any]:
+        if self.offloaded is None:
+            return {}
+        return {
+            "offloaded": True,
+            "gpu_memory_freed": int(self.offloaded.get("bytes_freed") or 0),
+        }
 
     def status(self) -> dict[str, Any]:
         """The `poll` reply: an exited kernel whose status is unknown says so."""
@@ -250,6 +262,7 @@ class KernelRecord:
             out["returncode_known"] = False
         if self.note:
             out["note"] = self.note
+        out.update(self._offload_fields())
         return out
 
     def output_target(self) -> int:
@@ -300,6 +313,13 @@ class KernelRecord:
             )
         if self.init_pid <= 0:
             raise AgentError("conflict", f"kernel {self.kernel_id} has no process yet")
+        if self.offloaded is not None and signum != signal.SIGKILL:
+            # As in-process: an offloaded kernel's CUDA calls block; only ending it goes.
+            raise AgentError(
+                "conflict",
+                f"kernel {self.kernel_id} is offloaded: it cannot receive signal "
+                f"{signal.Signals(signum).name} until it is reloaded",
+            )
         with contextlib.suppress(ProcessLookupError):  # it exited: poll() will say so
             # SIGKILL to PID 1 ends the whole namespace; others are forwarded by the init.
             if isinstance(self.process, Adopted):
