@@ -192,6 +192,20 @@ class AgentClient:
         `lazy` (its memory still coming in)."""
         return await self.request("restore", {"kernel_id": kernel_id, "lazy": lazy}, progress)
 
+    async def offload(
+        self, kernel_id: str, progress: ProgressCallback | None = None
+    ) -> dict[str, Any]:
+        """Move a running kernel's GPU memory into its host memory, its process kept: the
+        result has `gpu` and `gpu_memory_freed`."""
+        return await self.request("offload", {"kernel_id": kernel_id}, progress)
+
+    async def reload(
+        self, kernel_id: str, progress: ProgressCallback | None = None
+    ) -> dict[str, Any]:
+        """Put an offloaded kernel's GPU memory back (free GPU memory checked first); on
+        failure it stays offloaded."""
+        return await self.request("reload", {"kernel_id": kernel_id}, progress)
+
     async def discard(self, kernel_id: str) -> None:
         await self.request("discard", {"kernel_id": kernel_id})
 

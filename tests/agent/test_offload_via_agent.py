@@ -7,16 +7,26 @@ process, `reload` puts it back."""
 from __future__ import annotations
 
 import signal
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from tests.conftest_gpu import FakeGpu, fake_gpu, gpu_build
+from tests.conftest_gpu import FakeGpu, fake_gpu, gpu_build, nspid, wait_for
 
 from .checkpoint_fixtures import configured_agent, loose_kernels
 from .conftest import Agent
-from .servers_on_agent import at_agent
+from .servers_on_agent import (
+    UserServer,
+    agent_images,
+    alive,
+    at_agent,
+    eventually,
+    kernel_tasks,
+)
 from .test_gpu_via_agent import (
+    CHILD_CODE,
+    CUDA_CHILD,
     GPU_ID,
     KERNEL_GPU_MEM,
     TOTAL,
@@ -150,3 +160,58 @@ def test_a_cpu_only_kernel_has_nothing_to_offload(
     assert reply["error"]["code"] == "conflict", reply
     assert "no GPU memory" in reply["error"]["message"], reply
     assert "offloaded" not in poll(gpu_agent, kernel.id)
+
+
+def test_a_users_server_offloads_through_the_agent_and_a_cell_reloads_it(
+    gpu_agent: Agent, user_servers: Callable[..., UserServer], fake_gpu: FakeGpu
+) -> None:
+    """cedana-test's own server, no capability: REST `suspend?tier=offload` frees its
+    kernel's GPU memory at the agent, the process kept; the next cell reloads it first."""
+    agent = gpu_agent
+    server = user_servers(USER)
+    kid = server.start_kernel()
+    setup = f"CODE = {CHILD_CODE!r}\nGPU_ID = {GPU_ID!r}\nx = 41\n" + CUDA_CHILD
+    inner = int(server.output(kid, setup).strip())
+    init, tasks = kernel_tasks(agent, USER, kid)
+    host = [p for p in tasks if nspid(p) == inner]
+    assert len(host) == 1, (inner, tasks)
+    child = host[0]
+    assert wait_for(
+        lambda: any(
+            (t / "comm").read_text().strip() == "cuda00001f00"
+            for t in Path(f"/proc/{child}/task").iterdir()
+        )
+    )
+    fake_gpu.add("proc", pid=child, dev=0, mem=KERNEL_GPU_MEM, id=GPU_ID, nspid=inner)
+    fake_gpu.clear_log()
+
+    path = f"api/cedana/kernels/{kid}/suspend?tier=offload"
+    status, body = server.api("POST", path)
+    assert status == 200, (status, body, server.log_tail())
+    view = server.kernel(kid)
+    assert view["state"] == "suspended" and view["tier"] == "offload", view
+    assert gpu_free() == TOTAL
+    assert fake_gpu.proc_by_id(GPU_ID)["state"] == "checkpointed"
+    entry = at_agent(agent, USER, kid)
+    assert entry["offloaded"] is True and entry["pid"] == init, entry
+    assert Path(f"/proc/{child}").exists()
+    assert agent_images(agent, USER) == []
+
+    # No resume asked: the cell reloads it, its GPU memory back before it runs.
+    assert server.output(kid, "print(x + 1, child.poll())").split() == ["42", "None"]
+    assert server.kernel(kid)["state"] == "running"
+    assert fake_gpu.proc_by_id(GPU_ID)["state"] == "running"
+    assert int(fake_gpu.proc_by_id(GPU_ID)["pid"]) == child
+    assert gpu_free() == TOTAL - KERNEL_GPU_MEM
+    assert fake_gpu.timeline() == ["lock", "checkpoint", "restore", "unlock"]
+    assert "offloaded" not in at_agent(agent, USER, kid)
+    assert server.criu_runs() == [], server.log_errors()
+
+    # Shut down while offloaded: it has no image, its process is ended, as in-process.
+    status, body = server.api("POST", path)
+    assert status == 200, (status, body)
+    status, body = server.api("DELETE", f"api/kernels/{kid}")
+    assert status == 204, (status, body, server.log_errors())
+    assert eventually(lambda: not alive(init)), at_agent(agent, USER, kid)
+    assert not alive(child)
+    assert agent_images(agent, USER) == []

@@ -5,6 +5,7 @@ agent (`checkpoint_agent.CheckpointAgent`) is what it is given, seen through `Ag
 from __future__ import annotations
 
 import contextlib
+import signal
 import socket
 import subprocess
 import time
@@ -86,6 +87,9 @@ class AgentKernel:
         # Why the agent stopped the kernel and dumped it back (its memory could not all
         # be restored): the server then says the resume failed.
         self.restore_failed: str | None = None
+        # Its GPU memory is in its host memory at the agent (the offload tier), the
+        # process kept: a discard ends it instead of removing an image.
+        self.offloaded = False
 
     # -- Popen-shaped ---------------------------------------------------------------------
 
@@ -170,6 +174,7 @@ class AgentKernel:
         except AgentError as e:
             raise _as_cedana(e, "suspend", SuspendFailed) from e
         self.has_image = True
+        self.offloaded = False
         self.pid = 0
         written = int(reply.get("bytes") or 0)
         return {**reply, "bytes": int(reply.get("held_bytes") or written), "image_bytes": written}
@@ -190,15 +195,38 @@ class AgentKernel:
         self.returncode = None
         return self.pid
 
+    async def offload(self, progress: ProgressCallback | None = None) -> dict[str, Any]:
+        """The offload tier at the agent: the reply (`gpu`, `gpu_memory_freed`)."""
+        try:
+            reply = await self.agent.call(lambda c: c.offload(self.kernel_id, progress))
+        except AgentError as e:
+            raise _as_cedana(e, "offload", SuspendFailed) from e
+        self.offloaded = True
+        return reply
+
+    async def reload(self, progress: ProgressCallback | None = None) -> dict[str, Any]:
+        """Its GPU memory back; on failure it stays offloaded, and the error says why."""
+        try:
+            reply = await self.agent.call(lambda c: c.reload(self.kernel_id, progress))
+        except AgentError as e:
+            raise _as_cedana(e, "reload", ResumeFailed) from e
+        self.offloaded = False
+        return reply
+
     async def free_ports(self) -> dict[str, Any]:
         """Before a dumped kernel is adopted: its listening ports taken meanwhile are
         moved to free ones in its image (AgentClient.free_ports)."""
         return await self._op(lambda c: c.free_ports(self.kernel_id), "free the ports of")
 
     async def discard(self) -> None:
-        """Forget its image (a suspended kernel shut down)."""
+        """Forget its image (a suspended kernel shut down); an offloaded one has none, its
+        process is ended, as in-process."""
         with contextlib.suppress(AgentError):
-            await self.agent.call(lambda c: c.discard(self.kernel_id))
+            if self.offloaded:
+                await self.agent.call(lambda c: c.signal(self.kernel_id, signal.SIGKILL))
+            else:
+                await self.agent.call(lambda c: c.discard(self.kernel_id))
+        self.offloaded = False
         self.has_image = False
 
     async def release(self, timeout: float = 10.0) -> None:

@@ -284,6 +284,8 @@ class Resumer:
 
     async def _resume_offload(self) -> dict[str, Any]:
         k = self.kernel
+        if k.remote is not None:
+            return await self._reload_at_agent()
         gpu = await k.engine.cuda_checkpointer()
         previous = k.state
         k.machine.set_state(KernelState.resuming)
@@ -295,6 +297,35 @@ class Resumer:
         except CudaStateLeft as e:
             k.gpu_memory.left(e)
             raise
+        except BaseException as e:
+            k.machine.set_state(previous, reason=getattr(e, "message", None) or str(e))
+            raise
+        k.gpu_memory.state = None
+        k.tier = None
+        k.suspended_at = None
+        k.last_resume_seconds = time.monotonic() - t0
+        k.machine.set_state(KernelState.running)
+        return k.summary()
+
+    async def _reload_at_agent(self) -> dict[str, Any]:
+        """The agent puts the offloaded kernel's GPU memory back (free GPU memory checked
+        first); on failure it stays offloaded there, and here."""
+        k = self.kernel
+        assert k.remote is not None
+        previous = k.state
+        k.machine.set_state(KernelState.resuming)
+        t0 = time.monotonic()
+
+        def progress(update: dict[str, Any]) -> None:
+            done, total = update.get("done"), update.get("total")
+            k.machine.set_progress(
+                str(update.get("phase") or "gpu-restore"),
+                done if isinstance(done, int) else None,
+                total if isinstance(total, int) else None,
+            )
+
+        try:
+            await k.remote.reload(progress)
         except BaseException as e:
             k.machine.set_state(previous, reason=getattr(e, "message", None) or str(e))
             raise

@@ -18,7 +18,7 @@ import asyncio
 import contextlib
 import shutil
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from ...checkpoint.crimg import ImageError, dump_breakdown, mark_lazy
@@ -79,6 +79,8 @@ class Suspender:
 
     async def _offload(self) -> dict[str, Any]:
         k = self.kernel
+        if k.remote is not None:
+            return await self._offload_at_agent()
         gpu = await k.engine.cuda_checkpointer()
         if gpu is None:
             why = k.engine.cuda_status()[1] if k.engine.gpu else "CheckpointEngine.gpu is off"
@@ -99,6 +101,26 @@ class Suspender:
         k.suspended_at = time.time()
         k.last_suspend_seconds = time.monotonic() - t0
         k.gpu_memory_freed = int((k.gpu_memory.state or {}).get("bytes_freed", 0))
+        k.checkpoint_bytes = 0
+        k.machine.set_state(KernelState.suspended)
+        return k.summary()
+
+    async def _offload_at_agent(self) -> dict[str, Any]:
+        """The agent checkpoints the kernel's GPU memory into its host memory, the process
+        kept (its offload op); on failure the kernel runs on, as here."""
+        k = self.kernel
+        assert k.remote is not None
+        t0 = time.monotonic()
+        try:
+            reply = await k.remote.offload(_progress_of(k))
+        except BaseException as e:
+            k.machine.set_state(KernelState.running, reason=getattr(e, "message", None) or str(e))
+            raise
+        k.gpu_memory.state = dict(reply.get("gpu") or {})
+        k.tier = "offload"
+        k.suspended_at = time.time()
+        k.last_suspend_seconds = time.monotonic() - t0
+        k.gpu_memory_freed = int(reply.get("gpu_memory_freed") or 0)
         k.checkpoint_bytes = 0
         k.machine.set_state(KernelState.suspended)
         return k.summary()
@@ -161,15 +183,7 @@ class Suspender:
         # The agent checkpoints the kernel's GPU memory itself before CRIU runs (its
         # gpu_ops.py), or refuses; its frames name the same GPU phases as here.
 
-        def progress(update: dict[str, Any]) -> None:
-            done, total = update.get("done"), update.get("total")
-            k.machine.set_progress(
-                str(update.get("phase") or "dump"),
-                done if isinstance(done, int) else None,
-                total if isinstance(total, int) else None,
-            )
-
-        dumped = await k.remote.dump(progress)
+        dumped = await k.remote.dump(_progress_of(k, "dump"))
         # Nothing to cancel from here: the image is the agent's and the process is gone.
         k.process = None
         k.pid = None
@@ -354,6 +368,20 @@ class Suspender:
             k.last_suspend_seconds,
         )
         return k.summary()
+
+
+def _progress_of(k: KernelHandle, default: str = "offload") -> Callable[[dict[str, Any]], None]:
+    """The agent's progress frames as the kernel's progress (the same phase names)."""
+
+    def progress(update: dict[str, Any]) -> None:
+        done, total = update.get("done"), update.get("total")
+        k.machine.set_progress(
+            str(update.get("phase") or default),
+            done if isinstance(done, int) else None,
+            total if isinstance(total, int) else None,
+        )
+
+    return progress
 
 
 def _delta_summary(dumped: DumpResult) -> dict[str, Any]:
