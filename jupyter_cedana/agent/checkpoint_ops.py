@@ -30,6 +30,7 @@ from ..checkpoint.integrity import is_page_file
 from ..checkpoint.proctree import process_tree
 from ..checkpoint.store import CheckpointStore
 from ..errors import CedanaError
+from .compaction_ops import AgentCompactor
 from .criu import AgentEngine, CriuSettings, UnsafeSetup, load_settings
 from .gpu_ops import AgentGpu, as_agent_error, gpu_summary
 from .imagecheck import ImageRefused, verify_owner
@@ -56,6 +57,9 @@ class CheckpointOps:
         self.gpu = AgentGpu(settings)
         self.store = ImageStore(settings.state_dir, quota_bytes)
         self.bases = KeptBases(self.store, self.kernels)
+        self.compactor = AgentCompactor(
+            self.store, self.kernels, settings.compact_chain_ratio, settings.compact_chain_deltas
+        )
         # (uid, kernel id) -> a lazily restored kernel's memory coming in.
         self._loading: dict[tuple[int, str], asyncio.Future[None]] = {}
 
@@ -155,7 +159,7 @@ class CheckpointOps:
                 dumped = await self.engine.dump(
                     pid, tmp, progress=dumping, owner=(record.uid, record.gid), base=base
                 )
-                size = self.store.check_quota(caller.uid, kid, tmp)
+                size = await self.compactor.check_quota(caller.uid, kid, tmp)
                 frames({"phase": "committing", "done": size, "total": size})
 
                 def commit() -> dict[str, Any]:
@@ -202,6 +206,8 @@ class CheckpointOps:
             self.kernels.mark_dumped(caller.uid, kid)
             # A delta's index, made once the kernel is no longer frozen, before a restore.
             await asyncio.to_thread(self.bases.committed, caller.uid, kid, dumped.delta, manifest)
+            if dumped.delta is not None:  # folded in the background once past the ratio
+                self.compactor.schedule(caller.uid, kid)
         return {
             "kernel_id": kid,
             "bytes": int(manifest["total_bytes"]),
@@ -240,6 +246,7 @@ class CheckpointOps:
         async with record.lock:
             if record.state != State.dumped:
                 raise AgentError("conflict", f"kernel {kid} is {record.state.value}, not dumped")
+            await self.compactor.cancel(caller.uid, kid)  # its chain, or the folded image
             images = store.path(kid)
             manifest: dict[str, Any] | None = None
             frames({"phase": "verifying", "done": None, "total": None})
@@ -440,6 +447,7 @@ class CheckpointOps:
     async def op_discard(self, caller: Caller, args: dict[str, Any], _: Progress) -> dict[str, Any]:
         kid = kernel_id_arg(args)
         record = self._image_of(caller, kid)
+        await self.compactor.cancel(caller.uid, kid)
         self.store.for_uid(caller.uid).remove(kid)
         self.bases.drop(caller.uid, kid)
         if record is not None:
@@ -493,6 +501,7 @@ def register(service: Service) -> None:
             "non-root callers' kernels may fail",
             e,
         )
+    ops.compactor.sweep_all()  # what a fold cut short by the agent's death left
     ops.register(service)
-    PortOps(ops.store, ops.dumped_record).register(service)
+    PortOps(ops.store, ops.compactor.stopping(ops.dumped_record)).register(service)
     OffloadOps(ops.kernels, ops.gpu).register(service)  # the offload tier shares its GPU

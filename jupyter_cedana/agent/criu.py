@@ -145,6 +145,9 @@ class CriuSettings:
     cuda_helper: str = str(BIN_DIR / "cedana-cuda")
     cuda_lock_timeout_ms: int = 10_000
     cuda_host_headroom_bytes: int = 1 << 30
+    # Chains folded in the background past these (compaction_ops.py; 0 and 0: never).
+    compact_chain_ratio: float = 1.1
+    compact_chain_deltas: int = 8
 
 
 CONFIG_NAME = "checkpoint.json"
@@ -153,7 +156,8 @@ CONFIG_NAME = "checkpoint.json"
 def load_settings(state_dir: Path, default_quota: int) -> tuple[CriuSettings, int]:
     """The administrator's settings: `<state>/checkpoint.json` (root's, like the state
     directory), keys criu_path, plugin_dir, quota_bytes, dump_timeout, cuda_library,
-    cuda_lock_timeout_ms, cuda_host_headroom_bytes; defaults otherwise."""
+    cuda_lock_timeout_ms, cuda_host_headroom_bytes, compact_chain_ratio,
+    compact_chain_deltas; defaults otherwise."""
     path = state_dir / CONFIG_NAME
     data: dict[str, Any] = {}
     if path.exists():
@@ -173,6 +177,8 @@ def load_settings(state_dir: Path, default_quota: int) -> tuple[CriuSettings, in
         cuda_host_headroom_bytes=int(
             data.get("cuda_host_headroom_bytes", d.cuda_host_headroom_bytes)
         ),
+        compact_chain_ratio=float(data.get("compact_chain_ratio", d.compact_chain_ratio)),
+        compact_chain_deltas=int(data.get("compact_chain_deltas", d.compact_chain_deltas)),
     )
     return settings, int(data.get("quota_bytes", default_quota))
 
