@@ -6,6 +6,7 @@ process, `reload` puts it back."""
 
 from __future__ import annotations
 
+import os
 import signal
 from collections.abc import Callable
 from pathlib import Path
@@ -215,3 +216,27 @@ def test_a_users_server_offloads_through_the_agent_and_a_cell_reloads_it(
     assert eventually(lambda: not alive(init)), at_agent(agent, USER, kid)
     assert not alive(child)
     assert agent_images(agent, USER) == []
+
+
+def test_an_offloaded_kernel_that_dies_at_the_agent_is_seen_dead_by_its_server(
+    gpu_agent: Agent, user_servers: Callable[..., UserServer], fake_gpu: FakeGpu
+) -> None:
+    """The process of an offloaded kernel is kept at the agent, as in-process: when it
+    dies (killed here by root), the server's poll sees it, as for a running kernel, and
+    the kernel is no longer said to be offloaded (jupyter_client's restarter then starts
+    it again, as it does for any kernel that died)."""
+    agent = gpu_agent
+    server = user_servers(USER)
+    kid = server.start_kernel()
+    setup = f"CODE = {CHILD_CODE!r}\nGPU_ID = {GPU_ID!r}\nx = 41\n" + CUDA_CHILD
+    inner = int(server.output(kid, setup).strip())
+    init, tasks = kernel_tasks(agent, USER, kid)
+    [child] = [p for p in tasks if nspid(p) == inner]
+    fake_gpu.add("proc", pid=child, dev=0, mem=KERNEL_GPU_MEM, id=GPU_ID, nspid=inner)
+    status, body = server.api("POST", f"api/cedana/kernels/{kid}/suspend?tier=offload")
+    assert status == 200, (status, body, server.log_tail())
+    assert server.kernel(kid)["tier"] == "offload"
+
+    os.kill(init, signal.SIGKILL)
+    assert eventually(lambda: server.kernel(kid).get("tier") != "offload"), server.kernel(kid)
+    assert f"Offloaded kernel {kid} exited" in server.log_tail(), server.log_tail()

@@ -322,7 +322,11 @@ class CedanaProvisioner(LocalProvisioner):
         return self.process is not None or self.holds_image
 
     async def poll(self) -> int | None:
-        if self.remote is not None and self.state == KernelState.running:
+        # An offloaded kernel keeps its process at the agent too: asked, so that its death
+        # is seen (gpu_memory.process_died) as for a running one.
+        if self.remote is not None and (
+            self.state == KernelState.running or self.gpu_memory.keeps_process()
+        ):
             await self.remote.refresh()
             if self.remote.restore_failed is not None and self.process is self.remote:
                 self.lazy_memory.failed_at_agent(self.remote.restore_failed)
