@@ -503,5 +503,5 @@ def register(service: Service) -> None:
         )
     ops.compactor.sweep_all()  # what a fold cut short by the agent's death left
     ops.register(service)
-    PortOps(ops.store, ops.compactor.stopping(ops.dumped_record)).register(service)
+    PortOps(ops.store, ops.dumped_record, ops.compactor.cancel).register(service)
     OffloadOps(ops.kernels, ops.gpu).register(service)  # the offload tier shares its GPU

@@ -24,16 +24,14 @@ import contextlib
 import logging
 import os
 import threading
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from ..checkpoint import compaction
 from ..checkpoint.store import CheckpointStore
 from .imagestore import ImageStore
-from .kernels import KernelRecord, KernelTable, State
+from .kernels import KernelTable, State
 from .protocol import AgentError
-from .service import Caller
 
 _log = logging.getLogger("jupyter_cedana.agent")
 
@@ -79,19 +77,6 @@ class AgentCompactor:
         if job is not None:
             job.cancel.set()
         return job
-
-    def stopping(
-        self, dumped_record: Callable[[Caller, str], KernelRecord]
-    ) -> Callable[[Caller, str], KernelRecord]:
-        """`dumped_record` for `free_ports`, which rewrites the image under the record's
-        lock: the kernel's fold, if one runs, never exchanges after this."""
-
-        def record_of(caller: Caller, kid: str) -> KernelRecord:
-            record = dumped_record(caller, kid)
-            self.stop_soon(caller.uid, kid)
-            return record
-
-        return record_of
 
     async def cancel(self, uid: int, kid: str) -> None:
         """Stop the kernel's fold short of its exchange, or let its exchange end: once

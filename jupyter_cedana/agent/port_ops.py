@@ -14,7 +14,7 @@ connection info.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from ..checkpoint import portremap
@@ -28,10 +28,16 @@ from .service import Caller, Progress, Service
 
 class PortOps:
     def __init__(
-        self, store: ImageStore, dumped_record: Callable[[Caller, str], KernelRecord]
+        self,
+        store: ImageStore,
+        dumped_record: Callable[[Caller, str], KernelRecord],
+        settle: Callable[[int, str], Awaitable[None]] | None = None,
     ) -> None:
         self.store = store
         self.dumped_record = dumped_record
+        # Waits until no background fold of the kernel's chain can replace its image
+        # (compaction_ops.AgentCompactor.cancel): the rewrite must not race its swap.
+        self.settle = settle
 
     def register(self, service: Service) -> None:
         service.register("free_ports", self.op_free_ports)
@@ -47,6 +53,8 @@ class PortOps:
         async with record.lock:
             if record.state != State.dumped:
                 raise AgentError("conflict", f"kernel {kid} is {record.state.value}, not dumped")
+            if self.settle is not None:
+                await self.settle(caller.uid, kid)
             try:
                 moved, port_map = await asyncio.to_thread(self._free, store, kid)
             except CedanaError as e:

@@ -136,6 +136,28 @@ def test_a_restore_cancels_a_fold_held_mid_way_and_restores_the_chain(
     assert kept["layers"] == 2 and kept["held_bytes"] == second["held_bytes"], kept
 
 
+def test_free_ports_waits_for_a_held_fold_to_stop_before_it_rewrites(
+    configured_agent: Any, loose_kernels: list[Kernel], tmp_path: Path
+) -> None:
+    """`free_ports` rewrites the image: a fold held mid-way is stopped, and its
+    temporary gone, before the rewrite starts, so the fold never swaps in an image made
+    before the rewrite; the kernel restores from its chain with its state."""
+    holds = tmp_path / "holds"
+    holds.mkdir()
+    agent: Agent = configured_agent({}, env={compaction.HOLD_ENV: str(holds)})
+    kernel, changed, _ = chain_past_the_ratio(agent, loose_kernels)
+    (holds / "arm-folding").touch()
+    second = dump(agent, kernel)
+    assert eventually(lambda: (holds / "reached-folding").exists(), 120)
+    assert temporaries(agent, kernel.id) != []
+    ok(agent.run_as(USER, "free_ports", {"kernel_id": kernel.id}))
+    assert temporaries(agent, kernel.id) == []
+    image = image_of(agent, kernel.id)
+    assert image["layers"] == 2 and image["held_bytes"] == second["held_bytes"], image
+    ok(restore(agent, kernel, lazy=False, keep_base=False))
+    assert kernel.run(HASH).strip() == changed
+
+
 def test_a_discard_cancels_a_held_fold_and_removes_everything(
     configured_agent: Any, loose_kernels: list[Kernel], tmp_path: Path
 ) -> None:
