@@ -213,7 +213,7 @@ def test_a_file_is_closed_only_once_every_write_of_it_is_in(
 
     held, release, closed = threading.Event(), threading.Event(), threading.Event()
     went_to: list[str] = []  # where the held write's descriptor leads after, and before
-    real_write, real_close = capture_module._pwrite_all, capture_module._Sink.close
+    real_write, real_close = capture_module.pwrite_all, capture_module._Sink.close
 
     def first_write_held(fd: int, data: memoryview, offset: int) -> None:
         if not held.is_set():
@@ -230,7 +230,7 @@ def test_a_file_is_closed_only_once_every_write_of_it_is_in(
         if sink.pages:
             closed.set()
 
-    monkeypatch.setattr(capture_module, "_pwrite_all", first_write_held)
+    monkeypatch.setattr(capture_module, "pwrite_all", first_write_held)
     monkeypatch.setattr(capture_module._Sink, "close", close)
     before = digest_of(filler.pid, tmp_path)
     images = tmp_path / "images"

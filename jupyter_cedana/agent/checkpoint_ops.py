@@ -17,7 +17,6 @@ import logging
 import os
 import signal
 import subprocess
-import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, cast
@@ -46,7 +45,6 @@ from .service import Caller, Progress, ProgressFrames, Service, user_groups
 #: The engine's progress phases as the agent's frames name them.
 _PHASES = {"dump": "dumping"}
 #: Seconds between progress frames of a restore's checksum pass.
-VERIFY_FRAME_INTERVAL = 0.2
 _log = logging.getLogger("jupyter_cedana.agent")
 
 
@@ -268,7 +266,7 @@ class CheckpointOps:
                     # What CRIU reads itself; the pages are checked as they are served.
                     await asyncio.to_thread(store.verify_small_files, kid, manifest)
                 else:
-                    await asyncio.to_thread(store.verify, kid, _throttled(frames, "verifying"))
+                    await asyncio.to_thread(store.verify, kid, frames.throttled("verifying"))
                 await asyncio.to_thread(
                     verify_owner,
                     images,
@@ -463,22 +461,6 @@ class CheckpointOps:
             "quota_bytes": self.store.quota_bytes,
             "used_bytes": self.store.usage(caller.uid),
         }
-
-
-def _throttled(frames: ProgressFrames, phase: str) -> Callable[[int, int], None]:
-    """A (done, total) callback for a worker thread: a frame at most every
-    VERIFY_FRAME_INTERVAL seconds, handed to the event loop."""
-    loop = asyncio.get_running_loop()
-    last = 0.0
-
-    def update(done: int, total: int) -> None:
-        nonlocal last
-        now = time.monotonic()
-        if now - last >= VERIFY_FRAME_INTERVAL or done >= total:
-            last = now
-            loop.call_soon_threadsafe(frames, {"phase": phase, "done": done, "total": total})
-
-    return update
 
 
 def _chunked(manifest: dict[str, Any]) -> bool:

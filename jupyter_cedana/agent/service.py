@@ -35,6 +35,8 @@ log = logging.getLogger("jupyter_cedana.agent")
 Progress = Callable[[dict[str, Any]], Awaitable[None]]
 Handler = Callable[["Caller", dict[str, Any], Progress], Awaitable[dict[str, Any]]]
 
+FRAME_INTERVAL = 0.2  # seconds between the frames of a worker thread's progress
+
 __all__ = ["AgentError", "Caller", "Handler", "Limits", "Progress", "ProgressFrames", "Service"]
 
 
@@ -54,6 +56,21 @@ class ProgressFrames:
     def __call__(self, update: dict[str, Any]) -> None:
         self._pending = update
         self._wake.set()
+
+    def throttled(self, phase: str) -> Callable[[int, int], None]:
+        """A (done, total) callback for a worker thread: a frame at most every
+        FRAME_INTERVAL seconds (and the last), handed to the event loop."""
+        loop = asyncio.get_running_loop()
+        last = 0.0
+
+        def update(done: int, total: int) -> None:
+            nonlocal last
+            now = time.monotonic()
+            if now - last >= FRAME_INTERVAL or done >= total:
+                last = now
+                loop.call_soon_threadsafe(self, {"phase": phase, "done": done, "total": total})
+
+        return update
 
     async def _run(self) -> None:
         while True:

@@ -34,6 +34,7 @@ from typing import Any
 
 from .crimg import PAGE_SIZE, ImageError, decode
 from .delta_capture import DeltaPacker, DeltaSink
+from .durable import pwrite_all, write_all
 from .incremental import DeltaResult, DeltaStream, PageIndex, finish_delta
 from .integrity import (
     CHUNK_SIZE,
@@ -344,7 +345,7 @@ class ImageCapture:
                 return True
             if data:
                 try:
-                    _write_all(sink.fd, data)
+                    write_all(sink.fd, data)
                 except OSError as e:  # said as a page file's writer says it
                     raise CaptureFailed(f"writing {sink.name}: {e.strerror or e}") from None
                 return True
@@ -470,7 +471,7 @@ class ImageCapture:
             if i < chunks and i not in zero:
                 run = i * size if run is None else run
             elif run is not None:
-                _pwrite_all(sink.fd, view[run : min(i * size, end)], offset + run)
+                pwrite_all(sink.fd, view[run : min(i * size, end)], offset + run)
                 run = None
         view.release()
         if not sink.direct:
@@ -497,15 +498,3 @@ def _recv_exact(conn: socket.socket, n: int) -> bytes | None:
             return None
         out += part
     return out
-
-
-def _write_all(fd: int, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view) :]
-
-
-def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
-    while data:
-        n = os.pwrite(fd, data, offset)
-        data, offset = data[n:], offset + n

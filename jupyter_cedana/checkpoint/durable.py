@@ -106,3 +106,17 @@ def writer_gone(path: Path) -> bool:
     finally:
         os.close(fd)
     return True
+
+
+def write_all(fd: int, data: bytes) -> None:
+    """All of `data` to `fd`, however many writes it takes."""
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
+def pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    """All of `data` to `fd` at `offset`, however many writes it takes."""
+    while data:
+        n = os.pwrite(fd, data, offset)
+        data, offset = data[n:], offset + n
