@@ -63,9 +63,9 @@ class CheckpointAgent(SingletonConfigurable):
         "(jupyter-cedana-agent), detached from the server: it outlives the server and "
         "later servers use it; its log is agent.log in `state_dir`. Two servers starting "
         "together start one agent. A server not running as root never starts one. "
-        "Off by default while GPU kernels are checkpointed only by a server's own CRIU; "
-        "it will become the default for root servers once the agent checkpoints them. A "
-        "systemd unit (docs/agent.md) remains the way to run the agent in production.",
+        "Off by default for now: the agent does all a root server's own CRIU does (GPU "
+        "memory included), but the in-process path has run far longer. A systemd unit "
+        "(docs/agent.md) remains the way to run the agent in production.",
     ).tag(config=True)
 
     state_dir = Unicode(
