@@ -23,7 +23,6 @@ import asyncio
 import contextlib
 import logging
 import os
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -190,7 +189,9 @@ class AgentCompactor:
             return
         job = self._jobs[(uid, kid)] = compaction.Job(kid)
         run = self._runs[(uid, kid)] = asyncio.ensure_future(
-            _in_own_thread(compaction.compact, store, kid, job)
+            compaction.in_polite_thread(
+                "cedana-agent-compaction", compaction.compact, store, kid, job
+            )
         )
         try:
             result = await run
@@ -219,32 +220,3 @@ class AgentCompactor:
             result.held_after,
             result.seconds,
         )
-
-
-async def _in_own_thread(work: Any, *args: Any) -> Any:
-    """`work` in a thread of its own at the lowest CPU and I/O priority (a pool's thread
-    would keep that priority for whatever ran in it next)."""
-    loop = asyncio.get_running_loop()
-    future: asyncio.Future[Any] = loop.create_future()
-
-    def settle(result: Any, error: BaseException | None) -> None:
-        if future.done():
-            return
-        if error is not None:
-            future.set_exception(error)
-        else:
-            future.set_result(result)
-
-    def run() -> None:
-        compaction.polite()
-        try:
-            result = work(*args)
-        except BaseException as e:
-            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
-                loop.call_soon_threadsafe(settle, None, e)
-        else:
-            with contextlib.suppress(RuntimeError):
-                loop.call_soon_threadsafe(settle, result, None)
-
-    threading.Thread(target=run, name="cedana-agent-compaction", daemon=True).start()
-    return await future

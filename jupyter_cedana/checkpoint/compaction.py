@@ -33,6 +33,7 @@ cancelled, before the exchange): tests/test_compaction*.py.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import ctypes
 import os
@@ -40,6 +41,7 @@ import platform
 import shutil
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -185,6 +187,36 @@ def polite() -> None:
     if number is not None:  # ioprio_set(IOPRIO_WHO_PROCESS, tid, IOPRIO_CLASS_IDLE)
         with contextlib.suppress(Exception):
             ctypes.CDLL(None, use_errno=True).syscall(number, 1, tid, 3 << 13)
+
+
+async def in_polite_thread(name: str, work: Callable[..., Any], *args: Any) -> Any:
+    """`work(*args)` in a thread of its own (named `name`), at the lowest CPU and I/O
+    priority (`polite`: a pool's thread would keep that priority for whatever ran in it
+    next), awaited without holding the event loop."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[Any] = loop.create_future()
+
+    def settle(result: Any, error: BaseException | None) -> None:
+        if future.done():
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+
+    def run() -> None:
+        polite()
+        try:
+            result = work(*args)
+        except BaseException as e:
+            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+                loop.call_soon_threadsafe(settle, None, e)
+        else:
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(settle, result, None)
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    return await future
 
 
 def compact(store: CheckpointStore, kernel_id: str, job: Job | None = None) -> Result | None:

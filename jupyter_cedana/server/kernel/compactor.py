@@ -18,7 +18,6 @@ import asyncio
 import contextlib
 import logging
 import os
-import threading
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -188,7 +187,9 @@ class Compactor:
             # suspended: a resume that starts after this finds the job to cancel.
             job = self._jobs[kid] = compaction.Job(kid)
             try:
-                result = await _in_own_thread(compaction.compact, self.store, kid, job)
+                result = await compaction.in_polite_thread(
+                    "cedana-compaction", compaction.compact, self.store, kid, job
+                )
             except compaction.Cancelled as e:
                 self.log.info("Kernel %s: compaction stopped, its chain kept: %s", kid, e)
                 continue
@@ -223,32 +224,3 @@ def _stat_of(store: CheckpointStore, kernel_id: str) -> tuple[int, int]:
     except OSError:
         return (0, 0)
     return (st.st_ino, st.st_mtime_ns)
-
-
-async def _in_own_thread(work: Callable[..., Any], *args: Any) -> Any:
-    """Run `work` in a thread of its own, of the lowest CPU and I/O priority (a pool's
-    thread would keep the priority for whatever runs in it next)."""
-    loop = asyncio.get_running_loop()
-    future: asyncio.Future[Any] = loop.create_future()
-
-    def settle(result: Any = None, error: BaseException | None = None) -> None:
-        if future.done():
-            return
-        if error is not None:
-            future.set_exception(error)
-        else:
-            future.set_result(result)
-
-    def run() -> None:
-        compaction.polite()
-        try:
-            result = work(*args)
-        except BaseException as e:
-            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
-                loop.call_soon_threadsafe(settle, None, e)
-        else:
-            with contextlib.suppress(RuntimeError):
-                loop.call_soon_threadsafe(settle, result)
-
-    threading.Thread(target=run, name="cedana-compaction", daemon=True).start()
-    return await future
