@@ -207,14 +207,8 @@ class Resumer:
         t0 = time.monotonic()
         k.port_hold.release()
 
-        def progress(update: dict[str, Any]) -> None:
-            # The agent's phases, its GPU restore's ("gpu-restore") among them.
-            done, total = update.get("done"), update.get("total")
-            k.machine.set_progress(
-                str(update.get("phase") or "restore"),
-                done if isinstance(done, int) else None,
-                total if isinstance(total, int) else None,
-            )
+        # The agent's phases, its GPU restore's ("gpu-restore") among them.
+        progress = k.machine.progress_from("restore")
 
         try:
             pid = await k.remote.restore(lazy=k.engine.lazy_restore, progress=progress)
@@ -316,13 +310,7 @@ class Resumer:
         k.machine.set_state(KernelState.resuming)
         t0 = time.monotonic()
 
-        def progress(update: dict[str, Any]) -> None:
-            done, total = update.get("done"), update.get("total")
-            k.machine.set_progress(
-                str(update.get("phase") or "gpu-restore"),
-                done if isinstance(done, int) else None,
-                total if isinstance(total, int) else None,
-            )
+        progress = k.machine.progress_from("gpu-restore")
 
         try:
             await k.remote.reload(progress)

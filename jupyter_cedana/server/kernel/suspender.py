@@ -18,7 +18,7 @@ import asyncio
 import contextlib
 import shutil
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable
 from typing import Any
 
 from ...checkpoint.crimg import ImageError, dump_breakdown, mark_lazy
@@ -112,7 +112,7 @@ class Suspender:
         assert k.remote is not None
         t0 = time.monotonic()
         try:
-            reply = await k.remote.offload(_progress_of(k))
+            reply = await k.remote.offload(k.machine.progress_from("offload"))
         except BaseException as e:
             k.machine.set_state(KernelState.running, reason=getattr(e, "message", None) or str(e))
             raise
@@ -183,7 +183,7 @@ class Suspender:
         # The agent checkpoints the kernel's GPU memory itself before CRIU runs (its
         # gpu_ops.py), or refuses; its frames name the same GPU phases as here.
 
-        dumped = await k.remote.dump(_progress_of(k, "dump"))
+        dumped = await k.remote.dump(k.machine.progress_from("dump"))
         # Nothing to cancel from here: the image is the agent's and the process is gone.
         k.process = None
         k.pid = None
@@ -368,20 +368,6 @@ class Suspender:
             k.last_suspend_seconds,
         )
         return k.summary()
-
-
-def _progress_of(k: KernelHandle, default: str = "offload") -> Callable[[dict[str, Any]], None]:
-    """The agent's progress frames as the kernel's progress (the same phase names)."""
-
-    def progress(update: dict[str, Any]) -> None:
-        done, total = update.get("done"), update.get("total")
-        k.machine.set_progress(
-            str(update.get("phase") or default),
-            done if isinstance(done, int) else None,
-            total if isinstance(total, int) else None,
-        )
-
-    return progress
 
 
 def _delta_summary(dumped: DumpResult) -> dict[str, Any]:

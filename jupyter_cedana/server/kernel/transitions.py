@@ -123,6 +123,20 @@ class TransitionMachine:
         self.progress = Progress(phase, fraction, done, total)
         self.notify("progress")
 
+    def progress_from(self, default: str) -> Callable[[dict[str, Any]], None]:
+        """A callback that makes the checkpoint agent's progress frames this kernel's
+        progress (the same phase names; `default` for a frame that names none)."""
+
+        def update(frame: dict[str, Any]) -> None:
+            done, total = frame.get("done"), frame.get("total")
+            self.set_progress(
+                str(frame.get("phase") or default),
+                done if isinstance(done, int) else None,
+                total if isinstance(total, int) else None,
+            )
+
+        return update
+
     @property
     def transition_in_flight(self) -> str | None:
         """The kind of transition running now ("suspend-disk", "resume", ...), or None."""
