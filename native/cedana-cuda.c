@@ -449,7 +449,12 @@ static cc_result thaw(int pid, struct thawed *t)
 	}
 	t->seized = 1;
 	char st = thread_state(t->tid);
-	if (st == 'T' || st == 't') {
+	/* A thread of a process in its group stop (the main thread in state T) that is not
+	 * stopped yet is on its way there: just let go by CRIU, or by this helper's last
+	 * call (a detached thread rejoins the group stop). Seized, it will trap when it
+	 * gets there, so wait for that too; else it would stop for good after this check. */
+	int stopping = st != 'T' && st != 't' && thread_state(pid) == 'T';
+	if (st == 'T' || st == 't' || stopping) {
 		/* seizing a thread in group stop makes it trap: collect that, then continue */
 		if (wait_stop(t->tid) < 0)
 			return ptrace_fail("waiting for the trap", t->tid);

@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import subprocess
 
-from ..checkpoint.proctree import process_tree
+from ..checkpoint.proctree import group_stopped, process_tree
 from .imagecheck import ImageRefused
 
 
@@ -66,16 +66,8 @@ async def stopped_tree(root: int, timeout: float = 10.0) -> set[int]:
     deadline = loop.time() + timeout
     while True:
         pids = process_tree(root)
-        if pids and all(_state(p) == "T" for p in pids):
+        if pids and all(group_stopped(p) for p in pids):
             return pids
         if loop.time() > deadline:
             return pids
         await asyncio.sleep(0.005)
-
-
-def _state(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rpartition(")")[2].split()[0]
-    except (OSError, IndexError):
-        return "?"

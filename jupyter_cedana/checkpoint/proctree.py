@@ -52,6 +52,26 @@ def stat_fields(pid: int | str) -> list[str]:
     return stat[stat.rfind(")") + 2 :].split()
 
 
+def group_stopped(pid: int) -> bool:
+    """Every thread of process `pid` is in its group stop (state T). A process's own
+    /proc/PID/stat is its main thread's: after CRIU lets a restored tree go (SIGSTOP), its
+    other threads may still be on their way to the stop, and a thread seized for the GPU
+    restore (cedana-cuda's thaw) before its stop would stop again after it."""
+    try:
+        tids = os.listdir(PROC / str(pid) / "task")
+    except OSError:
+        return False
+    for tid in tids:
+        try:
+            stat = (PROC / str(pid) / "task" / tid / "stat").read_text()
+        except OSError:
+            continue  # a thread that exited meanwhile
+        fields = stat[stat.rfind(")") + 2 :].split()
+        if not fields or fields[0] != "T":
+            return False
+    return bool(tids)
+
+
 def _ppid_map() -> dict[int, list[int]]:
     """parent pid -> children, by scanning every /proc/PID/stat."""
     children: dict[int, list[int]] = {}

@@ -11,7 +11,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from ...checkpoint.proctree import process_tree, stat_fields
+from ...checkpoint.proctree import group_stopped, process_tree, stat_fields
 
 
 def continue_tree(pids: set[int]) -> None:
@@ -33,7 +33,7 @@ async def continue_restored(
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         pids = process_tree(root)
-        if pids and all(proc_state(p) == "T" for p in pids):
+        if pids and all(group_stopped(p) for p in pids):
             break
         await asyncio.sleep(0.002)
     else:
