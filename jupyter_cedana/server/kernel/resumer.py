@@ -294,12 +294,7 @@ class Resumer:
         except BaseException as e:
             k.machine.set_state(previous, reason=getattr(e, "message", None) or str(e))
             raise
-        k.gpu_memory.state = None
-        k.tier = None
-        k.suspended_at = None
-        k.last_resume_seconds = time.monotonic() - t0
-        k.machine.set_state(KernelState.running)
-        return k.summary()
+        return _reloaded(k, t0)
 
     async def _reload_at_agent(self) -> dict[str, Any]:
         """The agent puts the offloaded kernel's GPU memory back (free GPU memory checked
@@ -309,17 +304,19 @@ class Resumer:
         previous = k.state
         k.machine.set_state(KernelState.resuming)
         t0 = time.monotonic()
-
-        progress = k.machine.progress_from("gpu-restore")
-
         try:
-            await k.remote.reload(progress)
+            await k.remote.reload(k.machine.progress_from("gpu-restore"))
         except BaseException as e:
             k.machine.set_state(previous, reason=getattr(e, "message", None) or str(e))
             raise
-        k.gpu_memory.state = None
-        k.tier = None
-        k.suspended_at = None
-        k.last_resume_seconds = time.monotonic() - t0
-        k.machine.set_state(KernelState.running)
-        return k.summary()
+        return _reloaded(k, t0)
+
+
+def _reloaded(k: KernelHandle, t0: float) -> dict[str, Any]:
+    """An offloaded kernel's GPU memory is back (here or at the agent): it runs again."""
+    k.gpu_memory.state = None
+    k.tier = None
+    k.suspended_at = None
+    k.last_resume_seconds = time.monotonic() - t0
+    k.machine.set_state(KernelState.running)
+    return k.summary()
